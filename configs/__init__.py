@@ -1,0 +1,1 @@
+"""Hydra config source shipped as package data (``mmpipe.configs``)."""

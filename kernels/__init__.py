@@ -1,0 +1,1 @@
+"""Triton kernels behind ``torch.library`` custom ops, each with a PyTorch reference. Installed as ``mmpipe.kernels``."""

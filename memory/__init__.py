@@ -1,0 +1,1 @@
+"""Activation offload tiers, checkpoint policies and the memory estimator. Installed as ``mmpipe.memory``."""

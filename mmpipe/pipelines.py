@@ -1,0 +1,234 @@
+"""Graphs for text-to-video pipelines: inference (``from_diffusers``) and flow-matching training.
+
+Inference graph (``T2VGraph``)::
+
+    input.{input_ids, attention_mask, negative_*} -> text -> denoise.{context, negative_context}
+    input.noise -> denoise.latents;  denoise.latents -> decode.latents -> decode.video
+
+Training graph::
+
+    input.{input_ids, attention_mask} -> text.context -> dit.context
+    input.video -> vae.video;  vae.latents -> dit.latents -> dit.loss
+
+Supported diffusers pipelines: ``WanPipeline`` (Wan 2.1 text-to-video, single expert). Other video
+and image pipelines (HunyuanVideo, CogVideoX, LTX, Flux) have the same four stage kinds (text
+encoder, VAE encode / decode, DiT, denoising loop); each needs its own adapters for the model
+classes, added next to the Wan ones in ``mmpipe.stages``.
+
+Legend: B batch, Z latent channels, t/h/w latent frames/height/width, T/H/W pixel frames/height/width.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from diffusers import DiffusionPipeline, WanPipeline
+from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+from diffusers.video_processor import VideoProcessor
+from torch import nn
+
+from mmpipe.graph import Graph, TensorSpec
+from mmpipe.stages import (
+    CausalLMTextEncoderStage,
+    DenoiseStage,
+    T5TextEncoderStage,
+    TextEncoderStage,
+    WanDiTFlowMatchingStage,
+    WanVAEDecodeStage,
+    WanVAEEncodeStage,
+)
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_PIPELINES = ("WanPipeline",)
+
+
+def build_text_stage(
+    name: str, module_or_path: nn.Module | str | Path, tokenizer: Any, *, max_length: int, clean: bool = True
+) -> TextEncoderStage:
+    """A T5-family encoder (config with ``d_model``) or a causal LM used as a text encoder."""
+    stage_cls: type[TextEncoderStage]
+    if isinstance(module_or_path, nn.Module):
+        is_t5 = hasattr(module_or_path.config, "d_model")
+        stage_cls = T5TextEncoderStage if is_t5 else CausalLMTextEncoderStage
+        return stage_cls.from_module(
+            name, module_or_path, tokenizer, max_length=max_length, clean=prompt_clean if clean else None
+        )
+    from transformers import AutoConfig
+
+    is_t5 = hasattr(AutoConfig.from_pretrained(module_or_path), "d_model")
+    stage_cls = T5TextEncoderStage if is_t5 else CausalLMTextEncoderStage
+    return stage_cls.from_pretrained(
+        name, module_or_path, tokenizer, max_length=max_length, clean=prompt_clean if clean else None
+    )
+
+
+class T2VGraph(Graph):
+    """A text-to-video inference graph with a ``generate`` that mirrors ``WanPipeline.__call__``."""
+
+    def __init__(self, text: TextEncoderStage, denoise: DenoiseStage, decode: WanVAEDecodeStage) -> None:
+        super().__init__("t2v_inference")
+        self.text, self.denoise, self.decode = text, denoise, decode
+        vae_cfg = decode.source.config
+        self.scale_t: int = vae_cfg.scale_factor_temporal
+        self.scale_s: int = vae_cfg.scale_factor_spatial
+        self.video_processor = VideoProcessor(vae_scale_factor=self.scale_s)
+        ids = TensorSpec(("B", text.max_length), torch.int64)
+        opt_ids = TensorSpec(("B", text.max_length), torch.int64, required=False)
+        z = denoise.source.config.in_channels
+        for port, spec in [("input_ids", ids), ("attention_mask", ids)]:
+            self.add_input(port, spec)
+        for port in ("negative_input_ids", "negative_attention_mask"):
+            self.add_input(port, opt_ids)
+        self.add_input("noise", TensorSpec(("B", z, "t", "h", "w"), torch.float32))
+        for stage in (text, denoise, decode):
+            self.add_stage(stage)
+        for port in ("input_ids", "attention_mask", "negative_input_ids", "negative_attention_mask"):
+            self.connect(f"input.{port}", f"text.{port}")
+        self.connect("input.noise", "denoise.latents")
+        self.connect("text.context", "denoise.context")
+        self.connect("text.negative_context", "denoise.negative_context")
+        self.connect("denoise.latents", "decode.latents")
+        self.validate()
+
+    def _fit_size(self, height: int, width: int, num_frames: int) -> tuple[int, int, int]:
+        """Validate / round sizes exactly as ``WanPipeline.__call__`` does."""
+        if height % 16 != 0 or width % 16 != 0:
+            raise ValueError(f"height and width must be divisible by 16, got height={height} width={width}")
+        if num_frames < 1:
+            raise ValueError(f"num_frames must be >= 1, got {num_frames}")
+        if num_frames % self.scale_t != 1:
+            fixed = max(num_frames // self.scale_t * self.scale_t + 1, 1)
+            logger.warning("num_frames - 1 must be divisible by %d; rounding %d -> %d", self.scale_t, num_frames, fixed)
+            num_frames = fixed
+        patch = self.denoise.source.config.patch_size
+        mh, mw = self.scale_s * patch[1], self.scale_s * patch[2]
+        fh, fw = height // mh * mh, width // mw * mw
+        if (fh, fw) != (height, width):
+            logger.warning("height/width must be multiples of (%d, %d); using (%d, %d)", mh, mw, fh, fw)
+        return fh, fw, num_frames
+
+    def generate(
+        self,
+        prompt: str | Sequence[str],
+        negative_prompt: str | Sequence[str] | None = None,
+        *,
+        height: int = 480,
+        width: int = 832,
+        num_frames: int = 81,
+        num_inference_steps: int = 50,
+        guidance_scale: float = 5.0,
+        seed: int | None = None,
+        output_type: str = "np",
+        progress: bool = True,
+    ) -> Any:
+        """Prompt(s) -> frames ``(B, T, H, W, 3)`` in [0, 1] (``output_type="np"``), like ``WanPipeline``."""
+        prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+        if not prompts:
+            raise ValueError("prompt must be a non-empty string or list of strings")
+        height, width, num_frames = self._fit_size(height, width, num_frames)
+        inputs: dict[str, Any] = self.text.tokenize(prompts)
+        if guidance_scale > 1.0:
+            neg = negative_prompt or ""
+            negs = [neg] * len(prompts) if isinstance(neg, str) else list(neg)
+            if len(negs) != len(prompts):
+                raise ValueError(f"negative_prompt has {len(negs)} entries but prompt has {len(prompts)}")
+            neg_tok = self.text.tokenize(negs)
+            inputs |= {"negative_input_ids": neg_tok["input_ids"], "negative_attention_mask": neg_tok["attention_mask"]}
+        generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        shape = (
+            len(prompts),
+            self.denoise.source.config.in_channels,
+            (num_frames - 1) // self.scale_t + 1,
+            height // self.scale_s,
+            width // self.scale_s,
+        )
+        inputs["noise"] = torch.randn(shape, generator=generator, dtype=torch.float32)
+        options = {
+            "denoise": {
+                "num_inference_steps": num_inference_steps,
+                "guidance_scale": guidance_scale,
+                "progress": progress,
+            }
+        }
+        with torch.no_grad():
+            video = self.run(inputs, options)["decode"]["video"]
+        return self.video_processor.postprocess_video(video, output_type=output_type)
+
+
+def from_diffusers(path_or_pipeline: str | Path | DiffusionPipeline, *, max_sequence_length: int = 512) -> T2VGraph:
+    """Turn a diffusers ``WanPipeline`` (a local directory or an object) into an inference graph.
+
+    The graph's stages wrap the pipeline's own modules (no copy); ``max_sequence_length`` is the
+    text length the pipeline pads prompts to (``WanPipeline.__call__``'s default is 512).
+    """
+    pipe = _load_pipeline(path_or_pipeline)
+    cfg = pipe.config
+    if getattr(pipe, "transformer_2", None) is not None or cfg.get("boundary_ratio") is not None:
+        raise ValueError("two-expert Wan 2.2 pipelines (transformer_2 / boundary_ratio) are not supported yet")
+    if cfg.get("expand_timesteps"):
+        raise ValueError("WanPipeline with expand_timesteps=True (Wan 2.2 TI2V) is not supported yet")
+    text = build_text_stage("text", pipe.text_encoder, pipe.tokenizer, max_length=max_sequence_length)
+    denoise = DenoiseStage.from_module("denoise", pipe.transformer, pipe.scheduler)
+    decode = WanVAEDecodeStage.from_module("decode", pipe.vae)
+    return T2VGraph(text, denoise, decode)
+
+
+def _load_pipeline(path_or_pipeline: str | Path | DiffusionPipeline) -> DiffusionPipeline:
+    if isinstance(path_or_pipeline, DiffusionPipeline):
+        pipe = path_or_pipeline
+    else:
+        path = Path(path_or_pipeline)
+        if not (path / "model_index.json").is_file():
+            raise ValueError(
+                f"{str(path)!r} is not a local diffusers pipeline directory (no model_index.json); "
+                "mmpipe never downloads from a hub at run time"
+            )
+        pipe = DiffusionPipeline.from_pretrained(path)
+    name = type(pipe).__name__
+    if not isinstance(pipe, WanPipeline):
+        raise ValueError(f"from_diffusers: {name} is not supported; supported pipelines: {list(SUPPORTED_PIPELINES)}")
+    return pipe
+
+
+def flow_shift_of(scheduler_config: Any) -> float:
+    """The timestep shift a flow-matching scheduler applies (UniPC ``flow_shift``, Euler ``shift``)."""
+    for key in ("flow_shift", "shift"):
+        value = scheduler_config.get(key)
+        if value is not None:
+            return float(value)
+    return 1.0
+
+
+def build_t2v_training_graph(pipeline_dir: str | Path, *, text_len: int) -> Graph:
+    """The flow-matching training graph of a local WanPipeline-layout directory."""
+    from diffusers import UniPCMultistepScheduler
+    from transformers import AutoTokenizer
+
+    root = Path(pipeline_dir)
+    tokenizer = AutoTokenizer.from_pretrained(root / "tokenizer")
+    shift = flow_shift_of(UniPCMultistepScheduler.load_config(root / "scheduler"))
+    g = Graph("t2v_train")
+    g.add_input("input_ids", TensorSpec(("B", text_len), torch.int64))
+    g.add_input("attention_mask", TensorSpec(("B", text_len), torch.int64))
+    g.add_input("video", TensorSpec(("B", 3, "T", "H", "W"), torch.float32))
+    g.add_stage(build_text_stage("text", root / "text_encoder", tokenizer, max_length=text_len))
+    g.add_stage(WanVAEEncodeStage.from_pretrained("vae", root / "vae"))
+    g.add_stage(WanDiTFlowMatchingStage.from_pretrained("dit", root / "transformer", shift=shift))
+    g.connect("input.input_ids", "text.input_ids")
+    g.connect("input.attention_mask", "text.attention_mask")
+    g.connect("input.video", "vae.video")
+    g.connect("text.context", "dit.context")
+    g.connect("vae.latents", "dit.latents")
+    g.validate()
+    return g
+
+
+def frames_of(video_np: np.ndarray) -> np.ndarray:
+    """``(B, T, H, W, 3)`` floats in [0, 1] -> the first video as ``uint8 (T, H, W, 3)``."""
+    return (np.clip(video_np[0], 0.0, 1.0) * 255.0).round().astype(np.uint8)

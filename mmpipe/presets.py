@@ -1,0 +1,127 @@
+"""Tiny random-weight Wan-style pipelines built from the real architecture classes.
+
+Nothing is downloaded: a word-level tokenizer is built locally with the ``tokenizers`` library,
+and every module is a diffusers / transformers class constructed from a small config. The result
+is saved with ``save_pretrained`` in the standard ``WanPipeline`` layout, so training, generation
+and ``from_diffusers`` all load it exactly as they would load a real checkpoint directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Literal
+
+import torch
+from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2Model, UMT5Config, UMT5EncoderModel
+
+SPECIAL_TOKENS = ("<pad>", "</s>", "<unk>")  # T5 order: pad=0, eos=1, unk=2
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TinyWanSpec:
+    """Sizes of a tiny Wan-style text-to-video pipeline (derived from a few dials)."""
+
+    text_encoder: Literal["umt5", "qwen2"] = "umt5"
+    text_dim: int = 32
+    dit_heads: int = 4
+    dit_head_dim: int = 16
+    dit_layers: int = 2
+    vae_base_dim: int = 8
+    flow_shift: float = 3.0
+
+    def __post_init__(self) -> None:
+        for key in ("text_dim", "dit_heads", "dit_head_dim", "dit_layers", "vae_base_dim"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"model.{key} must be positive, got {getattr(self, key)}")
+        if self.dit_head_dim % 2:
+            raise ValueError(f"model.dit_head_dim must be even (3-D rotary embedding), got {self.dit_head_dim}")
+
+
+def build_word_tokenizer(words: Sequence[str]) -> PreTrainedTokenizerFast:
+    """A lower-casing whitespace word tokenizer over ``words`` that appends ``</s>`` like T5's."""
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for w in sorted({w.lower() for w in words}):
+        vocab.setdefault(w, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Whitespace()])
+    tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
+
+
+def build_text_encoder(spec: TinyWanSpec, vocab_size: int) -> torch.nn.Module:
+    """UMT5 encoder (Wan's text encoder family) or a Qwen2 base model used as a text encoder."""
+    if spec.text_encoder == "umt5":
+        heads = max(1, spec.text_dim // 8)
+        return UMT5EncoderModel(
+            UMT5Config(
+                vocab_size=vocab_size,
+                d_model=spec.text_dim,
+                d_kv=spec.text_dim // heads,
+                d_ff=2 * spec.text_dim,
+                num_layers=2,
+                num_heads=heads,
+                relative_attention_num_buckets=8,
+                pad_token_id=0,
+                eos_token_id=1,
+            )
+        )
+    heads = max(1, spec.text_dim // 8)
+    return Qwen2Model(
+        Qwen2Config(
+            vocab_size=vocab_size,
+            hidden_size=spec.text_dim,
+            intermediate_size=2 * spec.text_dim,
+            num_hidden_layers=2,
+            num_attention_heads=heads,
+            num_key_value_heads=heads,
+            max_position_embeddings=512,
+            pad_token_id=0,
+        )
+    )
+
+
+def build_tiny_wan_pipeline(spec: TinyWanSpec, words: Sequence[str], *, seed: int) -> WanPipeline:
+    """Random-weight components of a Wan-style pipeline; weights are a pure function of ``seed``."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        tokenizer = build_word_tokenizer(words)
+        text_encoder = build_text_encoder(spec, vocab_size=len(tokenizer))
+        vae = AutoencoderKLWan(
+            base_dim=spec.vae_base_dim,
+            z_dim=16,
+            dim_mult=[1, 1, 1, 1],
+            num_res_blocks=1,
+            temperal_downsample=[False, True, True],
+        )
+        transformer = WanTransformer3DModel(
+            patch_size=(1, 2, 2),
+            num_attention_heads=spec.dit_heads,
+            attention_head_dim=spec.dit_head_dim,
+            in_channels=16,
+            out_channels=16,
+            text_dim=spec.text_dim,
+            freq_dim=64,
+            ffn_dim=4 * spec.dit_heads * spec.dit_head_dim,
+            num_layers=spec.dit_layers,
+            cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads",
+            rope_max_seq_len=64,
+        )
+    scheduler = UniPCMultistepScheduler(
+        prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=1000, flow_shift=spec.flow_shift
+    )
+    return WanPipeline(
+        tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler, transformer=transformer
+    )
+
+
+def save_tiny_wan_pipeline(spec: TinyWanSpec, words: Sequence[str], path: str | Path, *, seed: int) -> Path:
+    """Build and ``save_pretrained`` a tiny pipeline into ``path`` (the WanPipeline layout)."""
+    path = Path(path)
+    build_tiny_wan_pipeline(spec, words, seed=seed).save_pretrained(path)
+    return path

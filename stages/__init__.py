@@ -1,0 +1,20 @@
+"""Stage adapters around unmodified diffusers / transformers modules (installed as ``mmpipe.stages``).
+
+Each adapter declares its ports and capabilities and maps input ports to output ports; none copies
+a model's source. Modules come from a local ``from_pretrained`` directory or an existing object.
+"""
+
+from mmpipe.stages.dit import WanDiTFlowMatchingStage
+from mmpipe.stages.sampler import DenoiseStage
+from mmpipe.stages.text import CausalLMTextEncoderStage, T5TextEncoderStage, TextEncoderStage
+from mmpipe.stages.vae import WanVAEDecodeStage, WanVAEEncodeStage
+
+__all__ = [
+    "CausalLMTextEncoderStage",
+    "DenoiseStage",
+    "T5TextEncoderStage",
+    "TextEncoderStage",
+    "WanDiTFlowMatchingStage",
+    "WanVAEDecodeStage",
+    "WanVAEEncodeStage",
+]

@@ -1,0 +1,84 @@
+"""The denoising loop as a stage: a DiT plus a diffusers scheduler, with classifier-free guidance.
+
+It reproduces ``WanPipeline.__call__``'s loop step for step (same scheduler calls, same guidance
+formula, conditional and unconditional passes as separate forward calls), so a graph built by
+``mmpipe.from_diffusers`` returns the pipeline's frames.
+
+Legend: B batch, Z latent channels, t/h/w latent frames/height/width, L text tokens, D text dim.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from diffusers import WanTransformer3DModel
+from diffusers.schedulers.scheduling_utils import SchedulerMixin
+from mmpipe.stages._source import ModuleSource, SourcedStage
+from torch import nn
+from tqdm.auto import tqdm
+
+from mmpipe.graph import Capabilities, TensorSpec
+
+
+class DenoiseStage(SourcedStage):
+    """``latents (noise), context[, negative_context] -> latents`` over ``num_inference_steps``."""
+
+    kind = "denoise"
+    model_cls = WanTransformer3DModel
+    capabilities = Capabilities(sequence_parallel=True, fsdp=True, offload=True)
+
+    def __init__(self, name: str, source: ModuleSource, scheduler: SchedulerMixin) -> None:
+        super().__init__(name, source, frozen=True)
+        self.scheduler = scheduler
+
+    @property
+    def inputs(self) -> Mapping[str, TensorSpec]:
+        cfg = self.source.config
+        return {
+            "latents": TensorSpec(("B", cfg.out_channels, "t", "h", "w"), torch.float32),
+            "context": TensorSpec(("B", "L", cfg.text_dim)),
+            "negative_context": TensorSpec(("B", "L", cfg.text_dim), required=False),
+        }
+
+    @property
+    def outputs(self) -> Mapping[str, TensorSpec]:
+        return {"latents": TensorSpec(("B", self.source.config.out_channels, "t", "h", "w"), torch.float32)}
+
+    def forward(
+        self,
+        module: nn.Module,
+        inputs: Mapping[str, Any],
+        *,
+        num_inference_steps: int = 50,
+        guidance_scale: float = 5.0,
+        progress: bool = False,
+        **_: Any,
+    ) -> dict[str, Any]:
+        if num_inference_steps <= 0:
+            raise ValueError(f"num_inference_steps must be positive, got {num_inference_steps}")
+        cfg_on = guidance_scale > 1.0
+        if cfg_on and "negative_context" not in inputs:
+            raise ValueError(f"stage {self.name!r}: guidance_scale={guidance_scale} needs a negative_context")
+        dtype = module.dtype
+        cond_BLD = inputs["context"].to(dtype)
+        uncond_BLD = inputs["negative_context"].to(dtype) if cfg_on else None
+        latents = inputs["latents"].float()
+        # A private copy: schedulers are stateful (step index, multistep history), and one stage
+        # may serve several requests.
+        scheduler = copy.deepcopy(self.scheduler)
+        scheduler.set_timesteps(num_inference_steps, device=latents.device)
+        scheduler.set_begin_index(0)
+        for t in tqdm(scheduler.timesteps, desc=self.name, disable=not progress, leave=False):
+            x = latents.to(dtype)
+            timestep_B = t.expand(latents.shape[0])
+            pred = module(hidden_states=x, timestep=timestep_B, encoder_hidden_states=cond_BLD, return_dict=False)[0]
+            if uncond_BLD is not None:
+                pred_u = module(
+                    hidden_states=x, timestep=timestep_B, encoder_hidden_states=uncond_BLD, return_dict=False
+                )[0]
+                pred = pred_u + guidance_scale * (pred - pred_u)
+            latents = scheduler.step(pred, t, latents, return_dict=False)[0]
+        return {"latents": latents}

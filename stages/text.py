@@ -1,0 +1,105 @@
+"""Text encoder stages: T5 / UMT5 encoders and causal LMs (Qwen2, Llama) used as text encoders.
+
+Both return the last hidden states with padded positions set to exactly zero, the way
+``WanPipeline._get_t5_prompt_embeds`` trims each prompt to its length and pads with zeros.
+
+Legend: B batch, L tokens (``max_length``), D hidden size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar
+
+import torch
+from mmpipe.stages._source import ModuleSource, SourcedStage
+from torch import nn
+from transformers import AutoModel, PreTrainedTokenizerBase, UMT5EncoderModel
+
+from mmpipe.graph import TensorSpec
+
+
+class TextEncoderStage(SourcedStage):
+    """Common ports and tokenisation of text encoders: ``input_ids, attention_mask -> context``."""
+
+    kind = "text_encoder"
+    hidden_size_key: ClassVar[str]
+
+    def __init__(
+        self,
+        name: str,
+        source: ModuleSource,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        max_length: int,
+        clean: Callable[[str], str] | None = None,
+    ) -> None:
+        super().__init__(name, source, frozen=True)
+        if max_length <= 0:
+            raise ValueError(f"stage {name!r}: max_length must be positive, got {max_length}")
+        self.tokenizer = tokenizer
+        self.max_length = max_length
+        self.hidden_size: int = getattr(source.config, self.hidden_size_key)
+        self.clean = clean
+
+    @property
+    def inputs(self) -> Mapping[str, TensorSpec]:
+        ids = TensorSpec(("B", self.max_length), torch.int64)
+        optional_ids = TensorSpec(("B", self.max_length), torch.int64, required=False)
+        return {
+            "input_ids": ids,
+            "attention_mask": ids,
+            "negative_input_ids": optional_ids,
+            "negative_attention_mask": optional_ids,
+        }
+
+    @property
+    def outputs(self) -> Mapping[str, TensorSpec]:
+        context = TensorSpec(("B", self.max_length, self.hidden_size))
+        return {"context": context, "negative_context": dataclasses.replace(context, required=False)}
+
+    def tokenize(self, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
+        """Pad / truncate prompts to ``max_length`` tokens, as the diffusers pipelines do."""
+        if isinstance(prompts, str):
+            raise ValueError("tokenize expects a list of prompts, got a single string")
+        texts = [self.clean(p) if self.clean else p for p in prompts]
+        enc = self.tokenizer(
+            texts,
+            padding="max_length",
+            max_length=self.max_length,
+            truncation=True,
+            add_special_tokens=True,
+            return_attention_mask=True,
+            return_tensors="pt",
+        )
+        return {"input_ids": enc.input_ids.long(), "attention_mask": enc.attention_mask.long()}
+
+    def forward(self, module: nn.Module, inputs: Mapping[str, Any], **options: Any) -> dict[str, Any]:
+        out = {"context": self._encode(module, inputs["input_ids"], inputs["attention_mask"])}
+        # The negative prompts of classifier-free guidance: a separate call, as the pipelines make.
+        if "negative_input_ids" in inputs:
+            out["negative_context"] = self._encode(
+                module, inputs["negative_input_ids"], inputs["negative_attention_mask"]
+            )
+        return out
+
+    def _encode(self, module: nn.Module, ids_BL: torch.Tensor, mask_BL: torch.Tensor) -> torch.Tensor:
+        hidden_BLD = module(input_ids=ids_BL, attention_mask=mask_BL).last_hidden_state
+        # Zero (not just ignore) padded positions: the DiT's cross-attention has no mask.
+        return torch.where(mask_BL.bool().unsqueeze(-1), hidden_BLD, hidden_BLD.new_zeros(()))
+
+
+class T5TextEncoderStage(TextEncoderStage):
+    """A transformers ``UMT5EncoderModel`` / ``T5EncoderModel`` (Wan uses UMT5-XXL)."""
+
+    model_cls = UMT5EncoderModel
+    hidden_size_key = "d_model"
+
+
+class CausalLMTextEncoderStage(TextEncoderStage):
+    """A decoder-only LM (Qwen2, Llama, ...) whose last hidden states condition the DiT (no LM head)."""
+
+    model_cls = AutoModel
+    hidden_size_key = "hidden_size"

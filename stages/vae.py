@@ -1,0 +1,77 @@
+"""Wan VAE stages: video -> normalised latents (encode) and latents -> video (decode).
+
+Latents are normalised exactly as the Wan pipelines do: ``(z - mean) / std`` per channel on encode
+(``WanImageToVideoPipeline.prepare_latents``) and ``z * std + mean`` before decode
+(``WanPipeline.__call__``).
+
+Legend: B batch, C channels (3 pixels, Z latent), T/t frames (pixel/latent), H/h, W/w height/width.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from diffusers import AutoencoderKLWan
+from mmpipe.stages._source import ModuleSource, SourcedStage
+from torch import nn
+
+from mmpipe.graph import Capabilities, TensorSpec
+
+
+class _WanVAEStage(SourcedStage):
+    model_cls = AutoencoderKLWan
+    capabilities = Capabilities(offload=True)
+
+    def __init__(self, name: str, source: ModuleSource) -> None:
+        super().__init__(name, source, frozen=True)
+        self.z_dim: int = source.config.z_dim
+
+    def _mean_std(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.source.config
+        shape = (1, self.z_dim, 1, 1, 1)
+        mean_1Z111 = torch.tensor(cfg.latents_mean).view(shape).to(like.device, like.dtype)
+        # The pipelines store 1/std and divide by it; doing the same keeps results bitwise equal.
+        inv_std_1Z111 = (1.0 / torch.tensor(cfg.latents_std)).view(shape).to(like.device, like.dtype)
+        return mean_1Z111, inv_std_1Z111
+
+
+class WanVAEEncodeStage(_WanVAEStage):
+    """``video (B, 3, T, H, W) in [-1, 1] -> latents (B, Z, t, h, w)``, the distribution's mode, normalised."""
+
+    kind = "vae_encode"
+
+    @property
+    def inputs(self) -> Mapping[str, TensorSpec]:
+        return {"video": TensorSpec(("B", 3, "T", "H", "W"), torch.float32)}
+
+    @property
+    def outputs(self) -> Mapping[str, TensorSpec]:
+        return {"latents": TensorSpec(("B", self.z_dim, "t", "h", "w"), torch.float32)}
+
+    def forward(self, module: nn.Module, inputs: Mapping[str, Any], **options: Any) -> dict[str, Any]:
+        video_B3THW = inputs["video"].to(module.dtype)
+        z_BZthw = module.encode(video_B3THW).latent_dist.mode().float()
+        mean, inv_std = self._mean_std(z_BZthw)
+        return {"latents": (z_BZthw - mean) * inv_std}
+
+
+class WanVAEDecodeStage(_WanVAEStage):
+    """``latents (B, Z, t, h, w) -> video (B, 3, T, H, W)`` in [-1, 1] (before post-processing)."""
+
+    kind = "vae_decode"
+
+    @property
+    def inputs(self) -> Mapping[str, TensorSpec]:
+        return {"latents": TensorSpec(("B", self.z_dim, "t", "h", "w"), torch.float32)}
+
+    @property
+    def outputs(self) -> Mapping[str, TensorSpec]:
+        return {"video": TensorSpec(("B", 3, "T", "H", "W"))}
+
+    def forward(self, module: nn.Module, inputs: Mapping[str, Any], **options: Any) -> dict[str, Any]:
+        z_BZthw = inputs["latents"].to(module.dtype)
+        mean, inv_std = self._mean_std(z_BZthw)
+        video_B3THW = module.decode(z_BZthw / inv_std + mean, return_dict=False)[0]
+        return {"video": video_B3THW}
