@@ -25,7 +25,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from diffusers import DiffusionPipeline, WanPipeline
 from diffusers.pipelines.wan.pipeline_wan import prompt_clean
@@ -227,8 +226,3 @@ def build_t2v_training_graph(pipeline_dir: str | Path, *, text_len: int) -> Grap
     g.connect("vae.latents", "dit.latents")
     g.validate()
     return g
-
-
-def frames_of(video_np: np.ndarray) -> np.ndarray:
-    """``(B, T, H, W, 3)`` floats in [0, 1] -> the first video as ``uint8 (T, H, W, 3)``."""
-    return (np.clip(video_np[0], 0.0, 1.0) * 255.0).round().astype(np.uint8)

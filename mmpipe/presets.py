@@ -8,52 +8,33 @@ and ``from_diffusers`` all load it exactly as they would load a real checkpoint 
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal
-
 import torch
 from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2Model, UMT5Config, UMT5EncoderModel
 
+from mmpipe.config import ModelConfig
+
 SPECIAL_TOKENS = ("<pad>", "</s>", "<unk>")  # T5 order: pad=0, eos=1, unk=2
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class TinyWanSpec:
-    """Sizes of a tiny Wan-style text-to-video pipeline (derived from a few dials)."""
-
-    text_encoder: Literal["umt5", "qwen2"] = "umt5"
-    text_dim: int = 32
-    dit_heads: int = 4
-    dit_head_dim: int = 16
-    dit_layers: int = 2
-    vae_base_dim: int = 8
-    flow_shift: float = 3.0
-
-    def __post_init__(self) -> None:
-        for key in ("text_dim", "dit_heads", "dit_head_dim", "dit_layers", "vae_base_dim"):
-            if getattr(self, key) <= 0:
-                raise ValueError(f"model.{key} must be positive, got {getattr(self, key)}")
-        if self.dit_head_dim % 2:
-            raise ValueError(f"model.dit_head_dim must be even (3-D rotary embedding), got {self.dit_head_dim}")
-
-
-def build_word_tokenizer(words: Sequence[str]) -> PreTrainedTokenizerFast:
-    """A lower-casing whitespace word tokenizer over ``words`` that appends ``</s>`` like T5's."""
+def build_word_tokenizer(texts: Sequence[str]) -> PreTrainedTokenizerFast:
+    """A lower-casing word tokenizer knowing every word of ``texts``; appends ``</s>`` like T5's."""
+    splitter = pre_tokenizers.Whitespace()
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
-    for w in sorted({w.lower() for w in words}):
+    words = {w for text in texts for w, _ in splitter.pre_tokenize_str(text.lower())}
+    for w in sorted(words):
         vocab.setdefault(w, len(vocab))
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.normalizer = normalizers.Lowercase()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Whitespace()])
+    tok.pre_tokenizer = splitter
     tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
 
 
-def build_text_encoder(spec: TinyWanSpec, vocab_size: int) -> torch.nn.Module:
+def build_text_encoder(spec: ModelConfig, vocab_size: int) -> torch.nn.Module:
     """UMT5 encoder (Wan's text encoder family) or a Qwen2 base model used as a text encoder."""
     if spec.text_encoder == "umt5":
         heads = max(1, spec.text_dim // 8)
@@ -85,11 +66,11 @@ def build_text_encoder(spec: TinyWanSpec, vocab_size: int) -> torch.nn.Module:
     )
 
 
-def build_tiny_wan_pipeline(spec: TinyWanSpec, words: Sequence[str], *, seed: int) -> WanPipeline:
+def build_tiny_wan_pipeline(spec: ModelConfig, texts: Sequence[str], *, seed: int) -> WanPipeline:
     """Random-weight components of a Wan-style pipeline; weights are a pure function of ``seed``."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        tokenizer = build_word_tokenizer(words)
+        tokenizer = build_word_tokenizer(texts)
         text_encoder = build_text_encoder(spec, vocab_size=len(tokenizer))
         vae = AutoencoderKLWan(
             base_dim=spec.vae_base_dim,
@@ -120,8 +101,8 @@ def build_tiny_wan_pipeline(spec: TinyWanSpec, words: Sequence[str], *, seed: in
     )
 
 
-def save_tiny_wan_pipeline(spec: TinyWanSpec, words: Sequence[str], path: str | Path, *, seed: int) -> Path:
+def save_tiny_wan_pipeline(spec: ModelConfig, texts: Sequence[str], path: str | Path, *, seed: int) -> Path:
     """Build and ``save_pretrained`` a tiny pipeline into ``path`` (the WanPipeline layout)."""
     path = Path(path)
-    build_tiny_wan_pipeline(spec, words, seed=seed).save_pretrained(path)
+    build_tiny_wan_pipeline(spec, texts, seed=seed).save_pretrained(path)
     return path

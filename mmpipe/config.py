@@ -1,0 +1,187 @@
+"""Typed configs of the ``mmpipe`` commands, built from plain dicts at the entry point.
+
+Hydra composes YAML into a ``DictConfig`` at the edge (``mmpipe.cli``); :func:`from_dict` turns
+its container into these dataclasses, rejecting unknown keys and wrongly typed values with the
+dotted key in the message. Library code only ever sees the dataclasses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+T = TypeVar("T")
+
+
+def _positive(section: str, obj: Any, *keys: str) -> None:
+    for key in keys:
+        if getattr(obj, key) <= 0:
+            raise ValueError(f"{section}.{key} must be positive, got {getattr(obj, key)}")
+
+
+@dataclasses.dataclass(kw_only=True)
+class ModelConfig:
+    """The text-to-video model: a local diffusers WanPipeline directory, or a tiny random preset."""
+
+    name: str = "t2v_tiny"
+    path: str | None = None  # local WanPipeline-layout directory; None builds the tiny preset below
+    text_encoder: Literal["umt5", "qwen2"] = "umt5"
+    text_dim: int = 32
+    text_len: int = 16
+    dit_heads: int = 4
+    dit_head_dim: int = 16
+    dit_layers: int = 2
+    vae_base_dim: int = 8
+    flow_shift: float = 3.0
+
+    def __post_init__(self) -> None:
+        _positive("model", self, "text_dim", "text_len", "dit_heads", "dit_head_dim", "dit_layers", "vae_base_dim")
+        if self.dit_head_dim % 2:
+            # Wan's 3-D rotary embedding splits each head's dims into even frame/height/width parts.
+            raise ValueError(f"model.dit_head_dim must be even, got {self.dit_head_dim}")
+        if self.path is not None and not Path(self.path).is_dir():
+            raise ValueError(f"model.path={self.path!r} is not a local directory (nothing is downloaded)")
+
+
+@dataclasses.dataclass(kw_only=True)
+class DataConfig:
+    """Training videos: procedural moving shapes (``root: null``) or a folder with a captions file."""
+
+    root: str | None = None
+    captions_file: str = "captions.jsonl"
+    frames: int = 17
+    height: int = 64
+    width: int = 64
+    num_samples: int = 1024  # moving shapes only
+    val_samples: int = 16
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _positive("data", self, "frames", "height", "width", "num_samples", "val_samples")
+        if self.height % 16 or self.width % 16:
+            raise ValueError(f"data.height and data.width must be multiples of 16, got {self.height}x{self.width}")
+        if self.frames % 4 != 1:
+            raise ValueError(f"data.frames must be 4k+1 (the VAE's temporal stride is 4), got {self.frames}")
+        if self.root is not None and not Path(self.root).is_dir():
+            raise ValueError(f"data.root={self.root!r} is not a directory")
+
+
+@dataclasses.dataclass(kw_only=True)
+class TrainConfig:
+    """Optimisation, logging and checkpointing of ``mmpipe train``."""
+
+    steps: int = 400
+    batch_size: int = 8  # global batch: samples per optimizer step
+    micro_batches: int = 2
+    lr: float = 2e-3
+    warmup_steps: int = 20
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    bf16: bool = False
+    seed: int = 0
+    log_every: int = 10
+    val_every: int = 100
+    ckpt_every: int = 100
+    resume: bool = False
+    threads: int = 0  # torch intra-op threads; 0 keeps torch's default
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        _positive("train", self, "steps", "batch_size", "micro_batches", "lr", "log_every", "val_every", "ckpt_every")
+        if self.batch_size % self.micro_batches:
+            raise ValueError(
+                f"train.batch_size={self.batch_size} is not divisible by train.micro_batches={self.micro_batches}"
+            )
+        if self.warmup_steps < 0 or self.grad_clip < 0 or self.weight_decay < 0 or self.threads < 0:
+            raise ValueError("train.warmup_steps, grad_clip, weight_decay and threads must be >= 0")
+
+
+@dataclasses.dataclass(kw_only=True)
+class RunConfig:
+    """Root config of ``mmpipe train``."""
+
+    run_dir: str | None = None  # None: runs/<model>-<timestamp>
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+
+
+@dataclasses.dataclass(kw_only=True)
+class GenerateConfig:
+    """Root config of ``mmpipe generate``: a trained run directory and what to render."""
+
+    ckpt: str | None = None
+    prompt: str = "a red circle moving left"
+    negative_prompt: str = ""
+    steps: int = 20
+    guidance: float = 3.0
+    seed: int = 0
+    frames: int | None = None  # None: the run's training size
+    height: int | None = None
+    width: int | None = None
+    fps: int = 8
+    out: str | None = None  # None: <ckpt>/samples
+
+    def __post_init__(self) -> None:
+        if not self.ckpt:
+            raise ValueError("ckpt is required: mmpipe generate ckpt=RUN_DIR")
+        if not Path(self.ckpt).is_dir():
+            raise ValueError(f"ckpt={self.ckpt!r} is not a run directory")
+        if not self.prompt.strip():
+            raise ValueError("prompt must not be empty")
+        _positive("generate", self, "steps", "fps")
+        for key in ("frames", "height", "width"):
+            value = getattr(self, key)
+            if value is not None and value <= 0:
+                raise ValueError(f"{key} must be positive, got {value}")
+
+
+def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
+    """Build dataclass ``cls`` from ``data``, naming the dotted key of any unknown or mistyped value."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {data!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ValueError(
+            f"unknown config key {prefix}{unknown[0]}; allowed under {prefix or 'top level'}: {sorted(fields)}"
+        )
+    hints = typing.get_type_hints(cls)
+    kwargs = {key: _coerce(hints[key], value, f"{prefix}{key}") for key, value in data.items()}
+    return cls(**kwargs)
+
+
+def _coerce(tp: Any, value: Any, key: str) -> Any:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, key + ".")  # type: ignore[arg-type]
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(arg, value, key)
+            except ValueError:
+                continue
+        raise ValueError(f"{key}={value!r}: expected {_type_name(tp)}")
+    if origin is Literal:
+        if value not in args:
+            raise ValueError(f"{key}={value!r}: expected one of {list(args)}")
+        return value
+    if tp is float and isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    if tp in (int, str, bool) and type(value) is tp:
+        return value
+    raise ValueError(f"{key}={value!r}: expected {_type_name(tp)}")
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """The plain-dict form of a config dataclass (for saving next to a run)."""
+    return dataclasses.asdict(cfg)

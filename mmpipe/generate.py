@@ -1,0 +1,56 @@
+"""``mmpipe generate``: a prompt -> a GIF and an MP4, with the DiT of a trained run."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from mmpipe.checkpoint import latest_checkpoint, load_checkpoint
+from mmpipe.config import GenerateConfig
+from mmpipe.data import frames_to_uint8, write_gif, write_mp4
+from mmpipe.pipelines import T2VGraph, from_diffusers
+from mmpipe.train import load_run_config, pipeline_dir
+
+
+def load_trained_graph(run_dir: Path) -> T2VGraph:
+    """The run's inference graph with the DiT weights of its latest checkpoint."""
+    cfg = load_run_config(run_dir)
+    graph = from_diffusers(pipeline_dir(cfg.model, run_dir), max_sequence_length=cfg.model.text_len)
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is None:
+        raise ValueError(f"run {str(run_dir)!r} has no checkpoint yet")
+    load_checkpoint(ckpt, graph.denoise.module, None, {})
+    return graph
+
+
+def generate(cfg: GenerateConfig) -> dict[str, Path]:
+    """Render ``cfg.prompt`` with the trained run ``cfg.ckpt``; returns the written files."""
+    assert cfg.ckpt is not None  # GenerateConfig.__post_init__ requires it
+    run_dir = Path(cfg.ckpt)
+    data = load_run_config(run_dir).data
+    graph = load_trained_graph(run_dir)
+    with torch.no_grad():
+        video = graph.generate(
+            cfg.prompt,
+            cfg.negative_prompt,
+            height=cfg.height or data.height,
+            width=cfg.width or data.width,
+            num_frames=cfg.frames or data.frames,
+            num_inference_steps=cfg.steps,
+            guidance_scale=cfg.guidance,
+            seed=cfg.seed,
+        )
+    frames = frames_to_uint8(video[0])
+    out_dir = Path(cfg.out) if cfg.out else run_dir / "samples"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"{_slug(cfg.prompt)}-seed{cfg.seed}"
+    return {
+        "gif": write_gif(frames, out_dir / f"{stem}.gif", fps=cfg.fps),
+        "mp4": write_mp4(frames, out_dir / f"{stem}.mp4", fps=cfg.fps),
+    }
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")[:60] or "sample"
