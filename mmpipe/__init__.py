@@ -1,7 +1,44 @@
-"""mmpipe: train and serve long multimodal model pipelines as one DAG of model stages."""
+"""mmpipe: train and serve long multimodal model pipelines as one DAG of model stages.
 
-from mmpipe.graph import Capabilities, Edge, Graph, Stage, TensorSpec
-from mmpipe.pipelines import T2VGraph, from_diffusers
+Public names are imported lazily (PEP 562), so ``mmpipe --help`` and config errors answer before
+torch, diffusers and transformers are imported.
+"""
 
-__all__ = ["Capabilities", "Edge", "Graph", "Stage", "T2VGraph", "TensorSpec", "from_diffusers"]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "Capabilities": "mmpipe.graph",
+    "Edge": "mmpipe.graph",
+    "Graph": "mmpipe.graph",
+    "Stage": "mmpipe.graph",
+    "TensorSpec": "mmpipe.graph",
+    "T2VGraph": "mmpipe.pipelines",
+    "from_diffusers": "mmpipe.pipelines",
+    "train": "mmpipe.train",
+}
+__all__ = [
+    "Capabilities",
+    "Edge",
+    "Graph",
+    "Stage",
+    "T2VGraph",
+    "TensorSpec",
+    "from_diffusers",
+    "train",
+]
+
+if TYPE_CHECKING:
+    from mmpipe.graph import Capabilities, Edge, Graph, Stage, TensorSpec
+    from mmpipe.pipelines import T2VGraph, from_diffusers
+    from mmpipe.train import train
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'mmpipe' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -40,18 +40,20 @@ def compose_config(command: str, overrides: Sequence[str]) -> dict[str, Any]:
 
 
 def _run_train(raw: dict[str, Any]) -> None:
+    cfg = from_dict(RunConfig, raw)  # validate before the heavy imports
     from mmpipe.train import train
 
-    result = train(from_dict(RunConfig, raw))
+    result = train(cfg)
     print(f"run directory: {result.run_dir}")
     first = f"{result.first_val_loss:.4f} -> " if result.first_val_loss is not None else ""
     print(f"validation loss: {first}{result.last_val_loss:.4f}")
 
 
 def _run_generate(raw: dict[str, Any]) -> None:
+    cfg = from_dict(GenerateConfig, raw)
     from mmpipe.generate import generate
 
-    for kind, path in generate(from_dict(GenerateConfig, raw)).items():
+    for kind, path in generate(cfg).items():
         print(f"{kind}: {path}")
 
 
@@ -70,6 +72,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     show = "--cfg" in overrides
     overrides = [o for o in overrides if o != "--cfg"]
+    for o in overrides:
+        if "=" not in o and not o.startswith("~"):
+            print(f"mmpipe {command}: error: override {o!r} is not key=value (e.g. train.steps=50)", file=sys.stderr)
+            return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         raw = compose_config(command, overrides)

@@ -178,7 +178,8 @@ def from_diffusers(path_or_pipeline: str | Path | DiffusionPipeline, *, max_sequ
     return T2VGraph(text, denoise, decode)
 
 
-def _load_pipeline(path_or_pipeline: str | Path | DiffusionPipeline) -> DiffusionPipeline:
+def _load_pipeline(path_or_pipeline: str | Path | DiffusionPipeline) -> Any:
+    """A ``WanPipeline`` object (typed ``Any``: diffusers registers components dynamically)."""
     if isinstance(path_or_pipeline, DiffusionPipeline):
         pipe = path_or_pipeline
     else:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
+
 import torch
 from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
@@ -104,5 +106,6 @@ def build_tiny_wan_pipeline(spec: ModelConfig, texts: Sequence[str], *, seed: in
 def save_tiny_wan_pipeline(spec: ModelConfig, texts: Sequence[str], path: str | Path, *, seed: int) -> Path:
     """Build and ``save_pretrained`` a tiny pipeline into ``path`` (the WanPipeline layout)."""
     path = Path(path)
-    build_tiny_wan_pipeline(spec, texts, seed=seed).save_pretrained(path)
+    pipe: Any = build_tiny_wan_pipeline(spec, texts, seed=seed)
+    pipe.save_pretrained(path)
     return path

@@ -13,13 +13,13 @@ import datetime
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import yaml
-from torch.utils.data import Dataset, Subset
+from torch.utils.data import Subset
 from tqdm.auto import tqdm
 
 from mmpipe.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -31,6 +31,8 @@ from mmpipe.presets import save_tiny_wan_pipeline
 from mmpipe.stages import TextEncoderStage
 
 logger = logging.getLogger(__name__)
+
+SizedDataset = MovingShapesDataset | FolderVideoDataset | Subset
 
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
@@ -73,7 +75,7 @@ def pipeline_dir(model: ModelConfig, run_dir: Path) -> Path:
 
 
 # ---- data ----------------------------------------------------------------------------------------
-def build_datasets(data: DataConfig) -> tuple[Dataset, Dataset]:
+def build_datasets(data: DataConfig) -> tuple[SizedDataset, SizedDataset]:
     """(train, validation) datasets; moving shapes validation clips come from a different seed."""
     size = {"frames": data.frames, "height": data.height, "width": data.width}
     if data.root is None:
@@ -84,7 +86,7 @@ def build_datasets(data: DataConfig) -> tuple[Dataset, Dataset]:
     return folder, Subset(folder, range(min(data.val_samples, len(folder))))
 
 
-def vocabulary(train_set: Dataset) -> list[str]:
+def vocabulary(train_set: SizedDataset) -> list[str]:
     """Texts whose words the tiny preset's tokenizer must know: every caption of the data."""
     if isinstance(train_set, FolderVideoDataset):
         return [entry.caption for entry in train_set.entries]
@@ -101,14 +103,14 @@ def sample_indices(step: int, batch_size: int, n: int, seed: int) -> list[int]:
     return out
 
 
-def collate(text: TextEncoderStage, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+def collate(text: TextEncoderStage, samples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
     """Graph inputs of a micro-batch: tokenised captions and stacked videos."""
     tokens = text.tokenize([s["caption"] for s in samples])
     return {**tokens, "video": torch.stack([s["video"] for s in samples])}
 
 
 def micro_batches(
-    dataset: Dataset, indices: list[int], n_micro: int, text: TextEncoderStage
+    dataset: SizedDataset, indices: list[int], n_micro: int, text: TextEncoderStage
 ) -> Iterator[dict[str, torch.Tensor]]:
     """Split ``indices`` into ``n_micro`` equal micro-batches of graph inputs."""
     size = len(indices) // n_micro

@@ -18,10 +18,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from diffusers import WanTransformer3DModel
-from mmpipe.stages._source import ModuleSource, SourcedStage
 from torch import nn
 
 from mmpipe.graph import Capabilities, TensorSpec
+from mmpipe.stages._source import ModuleSource, SourcedStage
 
 
 def sample_flow_matching(latents_BZthw: torch.Tensor, *, seed: int, shift: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,11 +16,11 @@ from typing import Any
 import torch
 from diffusers import WanTransformer3DModel
 from diffusers.schedulers.scheduling_utils import SchedulerMixin
-from mmpipe.stages._source import ModuleSource, SourcedStage
 from torch import nn
 from tqdm.auto import tqdm
 
 from mmpipe.graph import Capabilities, TensorSpec
+from mmpipe.stages._source import ModuleSource, SourcedStage
 
 
 class DenoiseStage(SourcedStage):
@@ -68,7 +68,7 @@ class DenoiseStage(SourcedStage):
         latents = inputs["latents"].float()
         # A private copy: schedulers are stateful (step index, multistep history), and one stage
         # may serve several requests.
-        scheduler = copy.deepcopy(self.scheduler)
+        scheduler: Any = copy.deepcopy(self.scheduler)
         scheduler.set_timesteps(num_inference_steps, device=latents.device)
         scheduler.set_begin_index(0)
         for t in tqdm(scheduler.timesteps, desc=self.name, disable=not progress, leave=False):

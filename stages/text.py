@@ -9,16 +9,15 @@ Legend: B batch, L tokens (``max_length``), D hidden size.
 from __future__ import annotations
 
 import dataclasses
-
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
-from mmpipe.stages._source import ModuleSource, SourcedStage
 from torch import nn
 from transformers import AutoModel, PreTrainedTokenizerBase, UMT5EncoderModel
 
 from mmpipe.graph import TensorSpec
+from mmpipe.stages._source import ModuleSource, SourcedStage
 
 
 class TextEncoderStage(SourcedStage):

@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 from diffusers import AutoencoderKLWan
-from mmpipe.stages._source import ModuleSource, SourcedStage
 from torch import nn
 
 from mmpipe.graph import Capabilities, TensorSpec
+from mmpipe.stages._source import ModuleSource, SourcedStage
 
 
 class _WanVAEStage(SourcedStage):
@@ -51,8 +51,9 @@ class WanVAEEncodeStage(_WanVAEStage):
         return {"latents": TensorSpec(("B", self.z_dim, "t", "h", "w"), torch.float32)}
 
     def forward(self, module: nn.Module, inputs: Mapping[str, Any], **options: Any) -> dict[str, Any]:
-        video_B3THW = inputs["video"].to(module.dtype)
-        z_BZthw = module.encode(video_B3THW).latent_dist.mode().float()
+        vae: Any = module  # diffusers' AutoencoderKLWan (encode/decode are not nn.Module API)
+        video_B3THW = inputs["video"].to(vae.dtype)
+        z_BZthw = vae.encode(video_B3THW).latent_dist.mode().float()
         mean, inv_std = self._mean_std(z_BZthw)
         return {"latents": (z_BZthw - mean) * inv_std}
 
@@ -71,7 +72,8 @@ class WanVAEDecodeStage(_WanVAEStage):
         return {"video": TensorSpec(("B", 3, "T", "H", "W"))}
 
     def forward(self, module: nn.Module, inputs: Mapping[str, Any], **options: Any) -> dict[str, Any]:
-        z_BZthw = inputs["latents"].to(module.dtype)
+        vae: Any = module
+        z_BZthw = inputs["latents"].to(vae.dtype)
         mean, inv_std = self._mean_std(z_BZthw)
-        video_B3THW = module.decode(z_BZthw / inv_std + mean, return_dict=False)[0]
+        video_B3THW = vae.decode(z_BZthw / inv_std + mean, return_dict=False)[0]
         return {"video": video_B3THW}

@@ -1,0 +1,71 @@
+"""The ``mmpipe`` console script end to end, in subprocesses."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mmpipe.data import read_video
+
+SMALL = [
+    "data.frames=9",
+    "data.height=32",
+    "data.width=32",
+    "data.val_samples=2",
+    "train.batch_size=2",
+    "train.micro_batches=2",
+    "train.progress=false",
+]
+
+
+def mmpipe(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "mmpipe.cli", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_train_then_generate(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    res = mmpipe("train", f"run_dir={run}", "train.steps=3", "train.ckpt_every=2", *SMALL, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert "validation loss:" in res.stdout and "[dit] dit (trainable" in res.stdout
+    assert (run / "metrics.jsonl").is_file() and (run / "checkpoints" / "latest").read_text().strip() == "step_00000003"
+    res = mmpipe("generate", f"ckpt={run}", "prompt=a green square moving up", "steps=2", "seed=3", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    gif = run / "samples" / "a-green-square-moving-up-seed3.gif"
+    mp4 = gif.with_suffix(".mp4")
+    assert f"gif: {gif}" in res.stdout and f"mp4: {mp4}" in res.stdout
+    assert read_video(mp4).shape == (9, 32, 32, 3)
+    assert read_video(gif).shape[1:] == (32, 32, 3)
+
+
+def test_qwen_text_encoder_preset_trains(tmp_path: Path) -> None:
+    res = mmpipe("train", f"run_dir={tmp_path / 'q'}", "model=t2v_tiny_qwen", "train.steps=2", *SMALL, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert "Qwen2Model" in (tmp_path / "q" / "pipeline" / "model_index.json").read_text()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["train", "train.stepz=3"], "train.stepz"),
+        (["train", "+train.stepz=3"], "unknown config key train.stepz"),
+        (["train", "train.steps=abc"], "train.steps='abc': expected int"),
+        (["train", "model=nope"], "Could not find 'model/nope'"),
+        (["train", "data.frames=8"], "data.frames must be 4k+1"),
+        (["generate", "ckpt=/nope"], "ckpt='/nope' is not a run directory"),
+        (["fly"], "unknown command 'fly'"),
+        (["train", "steps"], "override 'steps' is not key=value"),
+    ],
+)
+def test_bad_input_is_rejected_before_any_work(tmp_path: Path, args: list[str], message: str) -> None:
+    extra = [f"run_dir={tmp_path / 'run'}"] if args[0] == "train" else []
+    res = mmpipe(*args, *extra, cwd=tmp_path)
+    assert res.returncode == 2
+    assert message in res.stderr
+    assert "Traceback" not in res.stderr
+    assert not (tmp_path / "run").exists()  # nothing was started or written

@@ -1,0 +1,69 @@
+"""Typed configs: composition through Hydra, unknown keys, wrong types, validation messages."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from mmpipe.cli import compose_config
+from mmpipe.config import DataConfig, GenerateConfig, ModelConfig, RunConfig, TrainConfig, from_dict
+
+
+def test_allowed_top_level_keys() -> None:
+    # Every new top-level key is a cost: extend this list deliberately.
+    assert [f.name for f in dataclasses.fields(RunConfig)] == ["run_dir", "model", "data", "train"]
+    assert sorted(compose_config("train", [])) == ["data", "model", "run_dir", "train"]
+    assert sorted(compose_config("generate", [])) == sorted(f.name for f in dataclasses.fields(GenerateConfig))
+
+
+def test_default_yaml_equals_dataclass_defaults() -> None:
+    cfg = from_dict(RunConfig, compose_config("train", []))
+    assert cfg == RunConfig()
+
+
+def test_overrides_and_presets() -> None:
+    raw = compose_config("train", ["model=t2v_tiny_qwen", "train.steps=50", "data.frames=9"])
+    cfg = from_dict(RunConfig, raw)
+    assert cfg.model.text_encoder == "qwen2" and cfg.model.name == "t2v_tiny_qwen"
+    assert cfg.train.steps == 50 and cfg.data.frames == 9
+    assert cfg.model.text_dim == ModelConfig().text_dim  # inherited from the t2v_tiny preset
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ({"train": {"stepz": 3}}, "unknown config key train.stepz"),
+        ({"bogus": 1}, "unknown config key bogus"),
+        ({"train": {"steps": "many"}}, "train.steps='many': expected int"),
+        ({"train": {"steps": 2.5}}, "train.steps=2.5: expected int"),
+        ({"train": {"bf16": "yes"}}, "train.bf16='yes': expected bool"),
+        ({"model": {"text_encoder": "bert"}}, "model.text_encoder='bert': expected one of ['umt5', 'qwen2']"),
+        ({"train": {"steps": 0}}, "train.steps must be positive, got 0"),
+        (
+            {"train": {"batch_size": 6, "micro_batches": 4}},
+            "train.batch_size=6 is not divisible by train.micro_batches=4",
+        ),
+        ({"data": {"height": 40}}, "data.height and data.width must be multiples of 16, got 40x64"),
+        ({"data": {"frames": 8}}, "data.frames must be 4k+1"),
+        ({"data": {"root": "/definitely/not/here"}}, "data.root='/definitely/not/here' is not a directory"),
+        ({"model": {"path": "org/model"}}, "model.path='org/model' is not a local directory"),
+        ({"model": {"dit_head_dim": 15}}, "model.dit_head_dim must be even, got 15"),
+    ],
+)
+def test_bad_values_are_named(raw: dict, message: str) -> None:
+    with pytest.raises(ValueError) as err:
+        from_dict(RunConfig, raw)
+    assert message in str(err.value)
+
+
+def test_float_accepts_int_and_optional_accepts_none() -> None:
+    assert from_dict(TrainConfig, {"lr": 1}).lr == 1.0
+    assert from_dict(DataConfig, {"root": None}).root is None
+
+
+def test_generate_requires_a_run_dir() -> None:
+    with pytest.raises(ValueError, match="ckpt is required"):
+        GenerateConfig()
+    with pytest.raises(ValueError, match="ckpt='/nope' is not a run directory"):
+        GenerateConfig(ckpt="/nope")
