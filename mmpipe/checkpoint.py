@@ -1,21 +1,27 @@
-"""Training checkpoints with ``torch.distributed.checkpoint`` (works with or without a process group).
+"""Training checkpoints with ``torch.distributed.checkpoint`` (with or without a process group).
 
-Layout: ``RUN_DIR/checkpoints/step_00000100/`` (a DCP directory) and ``RUN_DIR/checkpoints/latest``
-(the name of the newest complete one). A checkpoint is written under a temporary name and renamed
-when complete, so a run killed mid-save resumes from the previous one.
+Layout: ``RUN_DIR/checkpoints/step_00000100/`` (one DCP directory for all ranks: each rank writes
+the model, optimizer and lr-schedule state of the trainable stages it holds, FSDP2 shards
+included) and ``RUN_DIR/checkpoints/latest`` (the newest complete one). A checkpoint is written
+under a temporary name and renamed when every rank is done, so a run killed mid-save resumes from
+the previous one. Data position and noise are functions of the step (``mmpipe.train``), so the
+step is the whole data and RNG state.
 """
 
 from __future__ import annotations
 
 import shutil
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from mmpipe.runtime.executor import StageOptim
 
 
 def checkpoint_root(run_dir: Path) -> Path:
@@ -32,37 +38,55 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return path if path.is_dir() else None
 
 
+def _stage_state(module: nn.Module, optim: StageOptim | None) -> dict[str, Any]:
+    if optim is None:
+        return {"model": module.state_dict()}
+    model_sd, optim_sd = get_state_dict(module, optim.optimizer)
+    return {"model": model_sd, "optim": optim_sd, "lr_sched": optim.lr_scheduler.state_dict()}
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _is_writer() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
 def save_checkpoint(
-    run_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, Any]
+    run_dir: Path, step: int, modules: Mapping[str, nn.Module], optims: Mapping[str, StageOptim]
 ) -> Path:
-    """Save model, optimizer, ``extra`` (scheduler, RNG, data position) and the step."""
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd, "step": step, "extra": extra}
+    """Save every local trainable stage's state and the step; collective over all ranks."""
+    state = {"step": step, "stages": {s: _stage_state(modules[s], optims[s]) for s in optims}}
     final = checkpoint_root(run_dir) / f"step_{step:08d}"
     tmp = final.with_name(final.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    if _is_writer():
+        shutil.rmtree(tmp, ignore_errors=True)
+    _barrier()
     with warnings.catch_warnings():  # single-process runs have no process group, by design
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.save(state, checkpoint_id=tmp)
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
-    (checkpoint_root(run_dir) / "latest").write_text(final.name + "\n")
+    _barrier()
+    if _is_writer():
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        (checkpoint_root(run_dir) / "latest").write_text(final.name + "\n")
+    _barrier()
     return final
 
 
-def load_checkpoint(
-    path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, extra: dict[str, Any]
-) -> int:
-    """Load ``path`` into ``model`` (and ``optimizer``) in place; ``extra`` is filled; returns the step."""
-    model_sd, optim_sd = get_state_dict(model, optimizer) if optimizer is not None else (model.state_dict(), {})
-    state: dict[str, Any] = {"model": model_sd, "step": 0, "extra": extra}
-    if optimizer is not None:
-        state["optim"] = optim_sd
+def load_checkpoint(path: Path, modules: Mapping[str, nn.Module], optims: Mapping[str, StageOptim]) -> int:
+    """Load the stages in ``modules`` (with their optimizers where given) in place; returns the step."""
+    state: dict[str, Any] = {"step": 0, "stages": {s: _stage_state(m, optims.get(s)) for s, m in modules.items()}}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(state, checkpoint_id=path)
-    if optimizer is not None:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    else:
-        model.load_state_dict(state["model"])
+    for name, module in modules.items():
+        loaded, optim = state["stages"][name], optims.get(name)
+        if optim is None:
+            module.load_state_dict(loaded["model"])
+            continue
+        set_state_dict(module, optim.optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+        optim.lr_scheduler.load_state_dict(loaded["lr_sched"])
     return int(state["step"])

@@ -86,8 +86,9 @@ class TrainConfig:
     val_every: int = 100
     ckpt_every: int = 100
     resume: bool = False
-    threads: int = 0  # torch intra-op threads; 0 keeps torch's default
+    threads: int = 0  # torch intra-op threads per rank; 0: the machine's cores / launch.nproc
     progress: bool = True
+    schedule: Literal["1f1b", "gpipe"] = "1f1b"
 
     def __post_init__(self) -> None:
         _positive("train", self, "steps", "batch_size", "micro_batches", "lr", "log_every", "val_every", "ckpt_every")
@@ -100,6 +101,21 @@ class TrainConfig:
 
 
 @dataclasses.dataclass(kw_only=True)
+class LaunchConfig:
+    """Local workers of ``mmpipe train`` (torch's elastic agent) and their fault tolerance."""
+
+    nproc: int = 1  # 1 runs in this process; N > 1 launches N local workers (gloo)
+    max_restarts: int = 0  # restart the whole group after a worker dies, resuming from the last checkpoint
+    timeout_s: float = 300.0  # collectives and point-to-point ops fail after this long instead of hanging
+    master_port: int = 0  # 0: pick a free port
+
+    def __post_init__(self) -> None:
+        _positive("launch", self, "nproc", "timeout_s")
+        if self.max_restarts < 0 or not 0 <= self.master_port < 65536:
+            raise ValueError(f"launch.max_restarts={self.max_restarts} / master_port={self.master_port} out of range")
+
+
+@dataclasses.dataclass(kw_only=True)
 class RunConfig:
     """Root config of ``mmpipe train``."""
 
@@ -107,6 +123,16 @@ class RunConfig:
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    launch: LaunchConfig = dataclasses.field(default_factory=LaunchConfig)
+    # stage -> ranks: {text: [0], vae: [0], dit: {ranks: [1, 2], dp: 2}}; empty: derived from launch.nproc
+    placement: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.data.val_samples < self.train.batch_size:
+            raise ValueError(
+                f"data.val_samples={self.data.val_samples} must be >= train.batch_size={self.train.batch_size} "
+                "(validation runs whole batches through the same plan)"
+            )
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -167,6 +193,10 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
             except ValueError:
                 continue
         raise ValueError(f"{key}={value!r}: expected {_type_name(tp)}")
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ValueError(f"{key}={value!r}: expected a mapping")
+        return value
     if origin is Literal:
         if value not in args:
             raise ValueError(f"{key}={value!r}: expected one of {list(args)}")

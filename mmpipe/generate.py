@@ -21,7 +21,8 @@ def load_trained_graph(run_dir: Path) -> T2VGraph:
     ckpt = latest_checkpoint(run_dir)
     if ckpt is None:
         raise ValueError(f"run {str(run_dir)!r} has no checkpoint yet")
-    load_checkpoint(ckpt, graph.denoise.module, None, {})
+    # The training graph's DiT stage is named "dit"; its weights become the denoiser's.
+    load_checkpoint(ckpt, {"dit": graph.denoise.module}, {})
     return graph
 
 

@@ -221,6 +221,10 @@ class Graph:
         order = list(nx.lexicographical_topological_sort(self._nx, key=list(self._nx.nodes).index))
         return [n for n in order if n != INPUT]
 
+    def stage_edges(self) -> list[tuple[str, str]]:
+        """Stage-level ``(producer, consumer)`` pairs, without graph inputs, in edge order."""
+        return list(dict.fromkeys((e.src, e.dst) for e in self.edges if e.src != INPUT))
+
     def producers(self, stage: str) -> list[Edge]:
         """Edges feeding ``stage``."""
         return [e for e in self.edges if e.dst == stage]

@@ -12,12 +12,14 @@ import dataclasses
 import datetime
 import json
 import logging
+import os
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import yaml
 from torch.utils.data import Subset
 from tqdm.auto import tqdm
@@ -28,6 +30,11 @@ from mmpipe.data import FolderVideoDataset, MovingShapesDataset, caption_vocabul
 from mmpipe.graph import Graph
 from mmpipe.pipelines import build_t2v_training_graph
 from mmpipe.presets import save_tiny_wan_pipeline
+from mmpipe.runtime.events import EventRecorder
+from mmpipe.runtime.executor import Executor, OptionsFn, StageOptim
+from mmpipe.runtime.mesh import MeshOwner
+from mmpipe.sched.plan import DeviceGroup, Plan, parse_placement
+from mmpipe.sched.schedule import ScheduleKind, build_plan
 from mmpipe.stages import TextEncoderStage
 
 logger = logging.getLogger(__name__)
@@ -123,6 +130,26 @@ def micro_batch_seed(seed: int, step: int, micro: int) -> int:
     return (seed * 1_000_003 + step + 1) * 1024 + micro
 
 
+# ---- plan ----------------------------------------------------------------------------------------
+def default_placement(graph: Graph, world_size: int) -> dict[str, DeviceGroup]:
+    """All stages on rank 0 for one rank; else frozen stages on rank 0, trainable ones data-parallel on the rest."""
+    if world_size == 1:
+        return {s: DeviceGroup((0,)) for s in graph.stages}
+    rest = tuple(range(1, world_size))
+    return {s: DeviceGroup((0,)) if st.frozen else DeviceGroup(rest, len(rest)) for s, st in graph.stages.items()}
+
+
+def make_plans(graph: Graph, cfg: RunConfig) -> tuple[Plan, Plan]:
+    """(training plan, forward-only validation plan) of ``graph`` under the configured placement."""
+    world = cfg.launch.nproc
+    placement = parse_placement(cfg.placement) if cfg.placement else default_placement(graph, world)
+    kind = ScheduleKind(cfg.train.schedule)
+    n_micro = cfg.train.micro_batches
+    train_plan = build_plan(graph, placement, n_micro, world_size=world, schedule=kind)
+    val_plan = build_plan(graph, placement, n_micro, world_size=world, schedule=kind, train=False)
+    return train_plan, val_plan
+
+
 # ---- the loop ------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class TrainResult:
@@ -134,92 +161,170 @@ class TrainResult:
     last_val_loss: float
 
 
-def loss_of(graph: Graph, inputs: dict[str, torch.Tensor], seed: int, bf16: bool) -> torch.Tensor:
-    """One micro-batch through the graph; the DiT stage returns the flow-matching loss."""
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-        return graph.run(inputs, {"dit": {"seed": seed}})["dit"]["loss"]
-
-
-def validation_loss(graph: Graph, val_batches: list[dict[str, torch.Tensor]], cfg: RunConfig) -> float:
-    """Mean flow-matching loss on the fixed validation set with fixed noise."""
-    with torch.no_grad():
-        losses = [
-            loss_of(graph, b, micro_batch_seed(cfg.train.seed, -1, m), cfg.train.bf16).item()
-            for m, b in enumerate(val_batches)
-        ]
-    return sum(losses) / len(losses)
-
-
-def train(cfg: RunConfig) -> TrainResult:
-    """Train the DiT of the text-to-video graph; returns the run directory and validation losses."""
+def prepare_run(cfg: RunConfig) -> tuple[Path, Graph]:
+    """Check the run directory, write its config and tiny pipeline, build the graph; before any worker starts."""
     run_dir = resolve_run_dir(cfg)
     if cfg.train.resume:
         check_resume_compatible(load_run_config(run_dir), cfg)
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
-    train_set, val_set = build_datasets(cfg.data)
+    train_set, _ = build_datasets(cfg.data)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / CONFIG_FILE).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     pipe_dir = pipeline_dir(cfg.model, run_dir)
     if cfg.model.path is None and not (pipe_dir / "model_index.json").is_file():
         save_tiny_wan_pipeline(cfg.model, vocabulary(train_set), pipe_dir, seed=cfg.train.seed)
-    graph = build_t2v_training_graph(pipe_dir, text_len=cfg.model.text_len)
-    text, model = graph.stages["text"], graph.stages["dit"].module
-    assert isinstance(text, TextEncoderStage)
-    model.train()
+    return run_dir, build_t2v_training_graph(pipe_dir, text_len=cfg.model.text_len)
+
+
+def train(cfg: RunConfig) -> TrainResult:
+    """Train the trainable stages of the text-to-video graph on ``launch.nproc`` local ranks."""
+    run_dir, graph = prepare_run(cfg)
+    train_plan, _ = make_plans(graph, cfg)  # validated here, before any worker starts
+    cfg = dataclasses.replace(cfg, run_dir=str(run_dir))
+    if cfg.launch.nproc == 1:
+        return run_rank(cfg, graph, rank=0, world_size=1)
+    from mmpipe.runtime.launch import launch_local
+
+    print(train_plan.format_table())
+    launch_local(cfg)
+    records = read_metrics(run_dir)
+    vals = [r["val_loss"] for r in records if "val_loss" in r]
+    first = records[0]["val_loss"] if records and records[0]["step"] == 0 else None
+    return TrainResult(run_dir=run_dir, steps=cfg.train.steps, first_val_loss=first, last_val_loss=vals[-1])
+
+
+class _Loop:
+    """One rank's training loop state: executor, optimizers, data, logging."""
+
+    def __init__(self, cfg: RunConfig, graph: Graph, rank: int, world_size: int) -> None:
+        assert cfg.run_dir is not None
+        self.cfg, self.graph, self.rank = cfg, graph, rank
+        self.run_dir = Path(cfg.run_dir)
+        self.train_plan, self.val_plan = make_plans(graph, cfg)
+        self.mesh = MeshOwner(self.train_plan, rank, world_size)
+        self.micro_size = cfg.train.batch_size // cfg.train.micro_batches
+        self.events = EventRecorder(self.run_dir, rank)
+        self.executor = Executor(graph, self.train_plan, self.mesh, batch_size=self.micro_size, events=self.events)
+        self.executor.optimizers = {s: self._optim(s) for s in self.executor.local if s in self.train_plan.trainable}
+        for s in self.executor.optimizers:
+            self.executor.modules[s].train()
+        self.train_set, val_set = build_datasets(cfg.data)
+        text = graph.stages["text"]
+        assert isinstance(text, TextEncoderStage)
+        self.text = text
+        n_val = len(val_set) // self.micro_size * self.micro_size
+        val_mbs = list(micro_batches(val_set, list(range(n_val)), n_val // self.micro_size, text))
+        self.val_batches = val_mbs
+        self.trainable = sorted(self.train_plan.trainable)
+
+    def _optim(self, stage: str) -> StageOptim:
+        tc = self.cfg.train
+        params = [p for p in self.executor.modules[stage].parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / (tc.warmup_steps + 1)))
+        return StageOptim(opt, sched, tc.grad_clip)
+
+    def options(self, step: int) -> OptionsFn:
+        seed = self.cfg.train.seed
+        return lambda stage, mb, rows: {"seed": micro_batch_seed(seed, step, mb), "rows": rows}
+
+    def batch_fn(self, step: int) -> Callable[[int], dict[str, torch.Tensor]]:
+        tc = self.cfg.train
+        indices = sample_indices(step, tc.batch_size, len(self.train_set), self.cfg.data.seed)
+        size = self.micro_size
+        return lambda mb: collate(self.text, [self.train_set[i] for i in indices[mb * size : (mb + 1) * size]])
+
+    def reduce(self, local: torch.Tensor) -> torch.Tensor:
+        """Sum a metrics vector over ranks (each value is owned by one rank, the others add 0)."""
+        if self.mesh.distributed:
+            dist.all_reduce(local)
+        return local
+
+    def train_step(self, step: int) -> dict[str, Any]:
+        self.events.step, self.events.phase = step + 1, "train"
+        out = self.executor.run(self.train_plan.actions[self.rank], self.batch_fn(step), self.options(step))
+        owned = [self._owns_norm(s) for s in self.trainable]
+        norms = [out["grad_norm"].get(s, 0.0) if own else 0.0 for s, own in zip(self.trainable, owned, strict=True)]
+        lrs = [
+            self.executor.optimizers[s].lr_scheduler.get_last_lr()[0] if own else 0.0
+            for s, own in zip(self.trainable, owned, strict=True)
+        ]
+        vec = self.reduce(torch.tensor([0.0, *norms, *lrs], dtype=torch.float64))
+        loss = self.reduce(out["loss"].reshape(1))  # float32, summed exactly as a single rank would
+        record: dict[str, Any] = {"step": step + 1, "loss": loss.item()}
+        k = len(self.trainable)
+        for s, norm, lr in zip(self.trainable, vec[1 : 1 + k].tolist(), vec[1 + k :].tolist(), strict=True):
+            suffix = "" if k == 1 else f"/{s}"
+            record[f"grad_norm{suffix}"], record[f"lr{suffix}"] = norm, lr
+        return record
+
+    def _owns_norm(self, stage: str) -> bool:
+        return self.train_plan.groups[stage].ranks[0] == self.rank
+
+    def validation_loss(self) -> float:
+        """Mean flow-matching loss on the fixed validation set with fixed noise (forward-only plan)."""
+        n_micro, seed = self.cfg.train.micro_batches, self.cfg.train.seed
+        chunks = [self.val_batches[i : i + n_micro] for i in range(0, len(self.val_batches) - n_micro + 1, n_micro)]
+        total, self.events.phase = torch.zeros(()), "val"
+        for c, mbs in enumerate(chunks):
+
+            def options(stage: str, mb: int, rows: tuple[int, int, int], c: int = c) -> dict[str, Any]:
+                return {"seed": micro_batch_seed(seed, -1, c * n_micro + mb), "rows": rows}
+
+            with torch.no_grad():
+                out = self.executor.run(self.val_plan.actions[self.rank], mbs.__getitem__, options)
+            total += out["loss"]
+        return self.reduce(total.reshape(1))[0].item() / len(chunks)
+
+
+def run_rank(cfg: RunConfig, graph: Graph, *, rank: int, world_size: int) -> TrainResult:
+    """The training loop of one rank (all ranks run it; rank 0 logs and shows progress)."""
     tc = cfg.train
-    optimizer = torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
-    lr_sched = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (tc.warmup_steps + 1)))
+    if tc.threads:
+        torch.set_num_threads(tc.threads)
+    loop = _Loop(cfg, graph, rank, world_size)
+    run_dir, lead = loop.run_dir, rank == 0
     start = 0
-    if tc.resume:
-        ckpt = latest_checkpoint(run_dir)
-        assert ckpt is not None
-        extra = {"lr_sched": lr_sched.state_dict()}
-        start = load_checkpoint(ckpt, model, optimizer, extra)
-        lr_sched.load_state_dict(extra["lr_sched"])
-        logger.info("resumed from %s at step %d", ckpt, start)
-    print(graph)
-    n_micro = tc.micro_batches
-    val_batches = list(micro_batches(val_set, list(range(len(val_set))), min(n_micro, len(val_set)), text))
-    metrics = open_metrics(run_dir, keep_until=start)
-    first_val = None
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is not None and (tc.resume or _restarted()):
+        local_trainable = {s: loop.executor.modules[s] for s in loop.executor.optimizers}
+        start = load_checkpoint(ckpt, local_trainable, loop.executor.optimizers)
+        logger.info("rank %d resumed from %s at step %d", rank, ckpt, start)
+    if lead:
+        print(graph)
+    metrics = open_metrics(run_dir, keep_until=start) if lead else None
+    first_val = last_val = None
     if start == 0:
-        first_val = validation_loss(graph, val_batches, cfg)
+        first_val = last_val = loop.validation_loss()
         _log(metrics, {"step": 0, "val_loss": first_val})
-    last_val = first_val
-    bar = tqdm(total=tc.steps, initial=start, desc="train", disable=not tc.progress, dynamic_ncols=True)
+    bar = tqdm(total=tc.steps, initial=start, desc="train", disable=not (tc.progress and lead), dynamic_ncols=True)
     t0, window = time.perf_counter(), 0
     for step in range(start, tc.steps):
-        indices = sample_indices(step, tc.batch_size, len(train_set), cfg.data.seed)
-        total = torch.zeros(())
-        for m, inputs in enumerate(micro_batches(train_set, indices, n_micro, text)):
-            loss = loss_of(graph, inputs, micro_batch_seed(tc.seed, step, m), tc.bf16)
-            (loss / n_micro).backward()
-            total += loss.detach() / n_micro
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip or float("inf"))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        lr_sched.step()
+        record = loop.train_step(step)
         window += tc.batch_size
         done = step + 1
-        record: dict[str, Any] = {"step": done, "loss": total.item(), "grad_norm": grad_norm.item()}
-        record["lr"] = lr_sched.get_last_lr()[0]
         if done % tc.log_every == 0 or done == tc.steps:
-            elapsed = time.perf_counter() - t0
-            record["samples_per_s"] = window / elapsed
+            record["samples_per_s"] = window / (time.perf_counter() - t0)
             t0, window = time.perf_counter(), 0
         if done % tc.val_every == 0 or done == tc.steps:
-            last_val = record["val_loss"] = validation_loss(graph, val_batches, cfg)
+            last_val = record["val_loss"] = loop.validation_loss()
         _log(metrics, record)
+        loop.events.flush()
         if done % tc.ckpt_every == 0 or done == tc.steps:
-            save_checkpoint(run_dir, done, model, optimizer, {"lr_sched": lr_sched.state_dict()})
+            save_checkpoint(run_dir, done, loop.executor.modules, loop.executor.optimizers)
         bar.set_postfix(loss=f"{record['loss']:.4f}", **_speed(record))
         bar.update(1)
     bar.close()
-    metrics.close()
+    loop.events.close()
+    if metrics is not None:
+        metrics.close()
     if last_val is None:  # resumed at the last step: nothing ran
-        last_val = validation_loss(graph, val_batches, cfg)
+        last_val = loop.validation_loss()
     return TrainResult(run_dir=run_dir, steps=tc.steps, first_val_loss=first_val, last_val_loss=last_val)
+
+
+def _restarted() -> bool:
+    """Whether the elastic agent restarted this worker group (then it resumes from the last checkpoint)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
 
 
 def _speed(record: dict[str, Any]) -> dict[str, str]:
@@ -227,6 +332,8 @@ def _speed(record: dict[str, Any]) -> dict[str, str]:
 
 
 def _log(stream: Any, record: dict[str, Any]) -> None:
+    if stream is None:
+        return
     stream.write(json.dumps(record) + "\n")
     stream.flush()
 

@@ -24,13 +24,23 @@ from mmpipe.graph import Capabilities, TensorSpec
 from mmpipe.stages._source import ModuleSource, SourcedStage
 
 
-def sample_flow_matching(latents_BZthw: torch.Tensor, *, seed: int, shift: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw ``(noise, sigma_B)`` on the CPU from ``seed`` (device-independent), shifted by ``shift``."""
+def sample_flow_matching(
+    latents_BZthw: torch.Tensor, *, seed: int, shift: float, rows: tuple[int, int, int] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw ``(noise, sigma_B)`` on the CPU from ``seed`` (device-independent), shifted by ``shift``.
+
+    ``rows=(start, stop, total)``: the latents are rows ``[start, stop)`` of a micro-batch of
+    ``total``; the draw is made for the whole micro-batch and sliced, so a data-parallel slice sees
+    exactly the noise the single-process run gives those rows.
+    """
+    start, stop, total = rows if rows is not None else (0, latents_BZthw.shape[0], latents_BZthw.shape[0])
+    if stop - start != latents_BZthw.shape[0]:
+        raise ValueError(f"rows {start}:{stop} do not match a batch of {latents_BZthw.shape[0]}")
     gen = torch.Generator().manual_seed(seed)
-    u_B = torch.rand(latents_BZthw.shape[0], generator=gen, dtype=torch.float32)
+    u_B = torch.rand(total, generator=gen, dtype=torch.float32)
     sigma_B = shift * u_B / (1 + (shift - 1) * u_B)
-    noise = torch.randn(latents_BZthw.shape, generator=gen, dtype=torch.float32)
-    return noise.to(latents_BZthw.device), sigma_B.to(latents_BZthw.device)
+    noise = torch.randn((total, *latents_BZthw.shape[1:]), generator=gen, dtype=torch.float32)
+    return noise[start:stop].to(latents_BZthw.device), sigma_B[start:stop].to(latents_BZthw.device)
 
 
 class WanDiTFlowMatchingStage(SourcedStage):
@@ -59,9 +69,17 @@ class WanDiTFlowMatchingStage(SourcedStage):
     def outputs(self) -> Mapping[str, TensorSpec]:
         return {"loss": TensorSpec((), torch.float32)}
 
-    def forward(self, module: nn.Module, inputs: Mapping[str, Any], *, seed: int = 0, **_: Any) -> dict[str, Any]:
+    def forward(
+        self,
+        module: nn.Module,
+        inputs: Mapping[str, Any],
+        *,
+        seed: int = 0,
+        rows: tuple[int, int, int] | None = None,
+        **_: Any,
+    ) -> dict[str, Any]:
         x0_BZthw, context_BLD = inputs["latents"], inputs["context"]
-        noise_BZthw, sigma_B = sample_flow_matching(x0_BZthw, seed=seed, shift=self.shift)
+        noise_BZthw, sigma_B = sample_flow_matching(x0_BZthw, seed=seed, shift=self.shift, rows=rows)
         s_B11111 = sigma_B.view(-1, 1, 1, 1, 1)
         xs_BZthw = (1 - s_B11111) * x0_BZthw + s_B11111 * noise_BZthw
         dtype = module.dtype

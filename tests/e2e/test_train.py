@@ -28,7 +28,7 @@ def dit_params(run_dir: Path) -> dict[str, torch.Tensor]:
     model = WanTransformer3DModel.from_pretrained(run_dir / "pipeline" / "transformer")
     ckpt = latest_checkpoint(run_dir)
     assert ckpt is not None
-    load_checkpoint(ckpt, model, None, {})
+    load_checkpoint(ckpt, {"dit": model}, {})
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 

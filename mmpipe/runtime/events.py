@@ -1,0 +1,60 @@
+"""Per-rank records of every executed action, as JSON lines in ``RUN_DIR/events/rank<R>.jsonl``.
+
+One record: ``{"rank", "step", "phase", "stage", "dst", "mb", "kind", "start", "end", "bytes"}``;
+times are ``time.perf_counter()`` seconds offset to the Unix epoch at recorder creation, so ranks
+on one machine share a clock. The dashboard and the simulator read the same format.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from mmpipe.sched.plan import Action
+
+
+class EventRecorder:
+    """Appends action events of one rank; ``step`` and ``phase`` tag what follows."""
+
+    def __init__(self, run_dir: Path, rank: int) -> None:
+        path = run_dir / "events" / f"rank{rank}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.rank = rank
+        self._stream = path.open("a")
+        self._offset = time.time() - time.perf_counter()
+        self.step = 0
+        self.phase = "train"
+
+    def record(self, action: Action, start: float, end: float, nbytes: int) -> None:
+        """Write one action's event."""
+        event: dict[str, Any] = {
+            "rank": self.rank,
+            "step": self.step,
+            "phase": self.phase,
+            "stage": action.stage,
+            "dst": action.dst,
+            "mb": action.mb,
+            "kind": action.kind.value,
+            "start": start + self._offset,
+            "end": end + self._offset,
+            "bytes": nbytes,
+        }
+        self._stream.write(json.dumps(event) + "\n")
+
+    def flush(self) -> None:
+        """Flush to disk (once per step)."""
+        self._stream.flush()
+
+    def close(self) -> None:
+        """Flush and close."""
+        self._stream.close()
+
+
+def read_events(run_dir: Path) -> list[dict[str, Any]]:
+    """All ranks' events of a run."""
+    events = []
+    for path in sorted((run_dir / "events").glob("rank*.jsonl")):
+        events += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return events

@@ -1,0 +1,49 @@
+"""Local multi-process launch with torch's elastic agent, and the worker entry point.
+
+``mmpipe train launch.nproc=N`` calls :func:`launch_local`: N workers on this machine with a c10d
+rendezvous on 127.0.0.1, restarted as a group up to ``launch.max_restarts`` times (workers then
+resume from the last checkpoint). Across machines, run the same worker module under torchrun::
+
+    torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
+        -m mmpipe.runtime.worker run_dir=/shared/run launch.nproc=4 placement=...
+"""
+
+from __future__ import annotations
+
+import socket
+import uuid
+
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig as ElasticConfig
+from torch.distributed.launcher.api import elastic_launch
+
+from mmpipe.config import RunConfig, to_dict
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launch_local(cfg: RunConfig) -> None:
+    """Run ``cfg.launch.nproc`` workers of ``mmpipe.runtime.worker.run`` and wait for them."""
+    from mmpipe.runtime.worker import run
+
+    port = cfg.launch.master_port or free_port()
+    elastic = ElasticConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=cfg.launch.nproc,
+        run_id=f"mmpipe-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{port}",
+        max_restarts=cfg.launch.max_restarts,
+        monitor_interval=0.5,
+        start_method="spawn",
+    )
+    try:
+        elastic_launch(elastic, run)(to_dict(cfg))
+    except ChildFailedError as err:
+        raise RuntimeError(f"training workers failed: {err}") from None

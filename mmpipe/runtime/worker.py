@@ -1,0 +1,61 @@
+"""One training worker: joins the process group and runs its rank's loop (``python -m`` under torchrun)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any
+
+import torch
+
+from mmpipe.config import RunConfig, from_dict
+
+
+def run(raw: dict[str, Any]) -> None:
+    """Worker body: ``raw`` is a ``RunConfig`` as a dict (picklable across the spawn)."""
+    from mmpipe.pipelines import build_t2v_training_graph
+    from mmpipe.runtime.mesh import init_distributed
+    from mmpipe.train import pipeline_dir, run_rank
+
+    cfg = from_dict(RunConfig, raw)
+    assert cfg.run_dir is not None
+    rank, world = init_distributed(cfg.launch.timeout_s)
+    logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(asctime)s %(levelname)s %(message)s")
+    if world != cfg.launch.nproc:
+        raise ValueError(f"launched with world size {world} but launch.nproc={cfg.launch.nproc}")
+    if not cfg.train.threads:
+        cfg.train.threads = max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    graph = build_t2v_training_graph(pipeline_dir(cfg.model, _path(cfg.run_dir)), text_len=cfg.model.text_len)
+    try:
+        run_rank(cfg, graph, rank=rank, world_size=world)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def _path(p: str) -> Any:
+    from pathlib import Path
+
+    return Path(p)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m mmpipe.runtime.worker [overrides]`` under torchrun: compose the config, run this rank."""
+    from mmpipe.cli import compose_config
+
+    raw = compose_config("train", argv if argv is not None else sys.argv[1:])
+    cfg = from_dict(RunConfig, raw)
+    if cfg.run_dir is None:
+        raise ValueError("workers started by torchrun need run_dir=<a directory every node can read>")
+    if int(os.environ.get("RANK", "0")) == 0:
+        from mmpipe.train import prepare_run
+
+        prepare_run(cfg)  # run directory, config and tiny pipeline, before the others read them
+    torch.distributed.init_process_group("gloo")
+    torch.distributed.barrier()
+    run(raw)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

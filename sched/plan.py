@@ -1,0 +1,379 @@
+"""The plan IR: placement of stages on device groups plus every rank's ordered action list.
+
+A plan is plain, frozen data with a text form that round-trips (``Plan.to_text`` /
+``Plan.from_text``). Actions (``rank`` is implied by the list they sit in)::
+
+    dit:F:mb3              forward of stage ``dit`` on micro-batch 3
+    dit:B:mb3              backward of it
+    text->dit:SEND:mb3@r1  send text's outputs consumed by dit (this rank's rows of them) to rank 1
+    text->dit:RECV:mb3@r0  receive them from rank 0
+    text->dit:SENDG:mb3@r0 send the gradients of dit's inputs fed by text back to rank 0
+    text->dit:RECVG:mb3@r1 receive those gradients from rank 1
+    dit:STEP               clip gradients and step dit's optimizer
+
+``Plan.validate`` checks ranks, placement, send/receive pairing and dependencies by a dry run of
+all action lists (a send never blocks, a receive waits for its send); a failure raises
+:class:`PlanError` whose message is the rank x step table with ``<-- ERROR HERE`` at the action
+that could not run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import re
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from fractions import Fraction
+
+
+class PlanError(ValueError):
+    """A plan that cannot run; the message carries the rank x step table."""
+
+
+class ActionKind(enum.StrEnum):
+    """What one action of a rank does."""
+
+    F = "F"
+    B = "B"
+    SEND = "SEND"
+    RECV = "RECV"
+    SEND_GRAD = "SENDG"
+    RECV_GRAD = "RECVG"
+    STEP = "STEP"
+
+
+TRANSFERS = (ActionKind.SEND, ActionKind.RECV, ActionKind.SEND_GRAD, ActionKind.RECV_GRAD)
+
+_ACTION_RE = re.compile(
+    r"^(?P<stage>[^:>\s-]+)(?:->(?P<dst>[^:\s]+))?:(?P<kind>[A-Z]+)(?::mb(?P<mb>\d+))?(?:@r(?P<peer>\d+))?$"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Action:
+    """One step of a rank's list. Transfers name the edge bundle ``stage -> dst`` and the peer rank."""
+
+    stage: str
+    kind: ActionKind
+    mb: int | None = None
+    dst: str | None = None
+    peer: int | None = None
+
+    def __str__(self) -> str:
+        name = f"{self.stage}->{self.dst}" if self.dst is not None else self.stage
+        mb = f":mb{self.mb}" if self.mb is not None else ""
+        peer = f"@r{self.peer}" if self.peer is not None else ""
+        return f"{name}:{self.kind.value}{mb}{peer}"
+
+    @classmethod
+    def parse(cls, text: str) -> Action:
+        """The inverse of ``str(action)``."""
+        m = _ACTION_RE.match(text.strip())
+        if m is None:
+            raise PlanError(f"cannot parse action {text!r} (expected e.g. 'dit:F:mb0' or 'text->dit:SEND:mb0@r1')")
+        try:
+            kind = ActionKind(m["kind"])
+        except ValueError:
+            raise PlanError(f"unknown action kind {m['kind']!r} in {text!r}") from None
+        mb = int(m["mb"]) if m["mb"] is not None else None
+        peer = int(m["peer"]) if m["peer"] is not None else None
+        action = cls(m["stage"], kind, mb, m["dst"], peer)
+        action.check_form()
+        return action
+
+    def check_form(self) -> None:
+        """Transfers carry ``dst``, ``mb`` and ``peer``; F/B carry ``mb``; STEP carries nothing."""
+        is_transfer = self.kind in TRANSFERS
+        ok = (self.dst is not None and self.peer is not None) == is_transfer and (
+            (self.mb is None) == (self.kind == ActionKind.STEP)
+        )
+        if not ok:
+            raise PlanError(f"malformed action {self}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceGroup:
+    """The ranks a stage runs on; ``dp`` data-parallel replicas (FSDP2-sharded) split each micro-batch."""
+
+    ranks: tuple[int, ...]
+    dp: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.ranks or len(set(self.ranks)) != len(self.ranks):
+            raise PlanError(f"device group ranks must be distinct and non-empty, got {list(self.ranks)}")
+        if self.dp != len(self.ranks):
+            raise PlanError(f"device group {list(self.ranks)}: dp={self.dp} must equal its number of ranks")
+
+    def rows(self, rank: int, batch: int) -> tuple[int, int]:
+        """The rows ``[start, stop)`` of a micro-batch of ``batch`` samples that ``rank`` holds."""
+        i = self.ranks.index(rank)
+        size = batch // self.dp
+        return i * size, (i + 1) * size
+
+    def __str__(self) -> str:
+        return f"ranks={list(self.ranks)} dp={self.dp}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Placement, micro-batch count and one ordered action list per rank."""
+
+    world_size: int
+    placement: tuple[tuple[str, DeviceGroup], ...]
+    micro_batches: int
+    actions: tuple[tuple[Action, ...], ...]
+    edges: tuple[tuple[str, str], ...] = ()  # stage-level producer -> consumer
+    backward: frozenset[str] = frozenset()  # stages that run B (trainable, or between trainable ones)
+    trainable: frozenset[str] = frozenset()  # stages that STEP an optimizer
+
+    def producers(self, stage: str) -> list[str]:
+        """Stages feeding ``stage``."""
+        return [p for p, c in self.edges if c == stage]
+
+    def consumers(self, stage: str) -> list[str]:
+        """Stages fed by ``stage``."""
+        return [c for p, c in self.edges if p == stage]
+
+    @property
+    def groups(self) -> dict[str, DeviceGroup]:
+        """``stage -> DeviceGroup``."""
+        return dict(self.placement)
+
+    def stages_on(self, rank: int) -> list[str]:
+        """Stages placed on ``rank`` (placement order)."""
+        return [s for s, g in self.placement if rank in g.ranks]
+
+    # ---- text form ----------------------------------------------------------------------------
+    def to_text(self) -> str:
+        """A line-oriented form that :meth:`from_text` parses back to an equal plan."""
+        lines = [f"world_size {self.world_size}", f"micro_batches {self.micro_batches}"]
+        lines += [f"place {s} ranks={','.join(map(str, g.ranks))} dp={g.dp}" for s, g in self.placement]
+        lines += [f"edge {p}->{c}" for p, c in self.edges]
+        lines += [f"backward {s}" for s in sorted(self.backward)]
+        lines += [f"trainable {s}" for s in sorted(self.trainable)]
+        lines += [f"rank {r}: " + " ".join(map(str, acts)) for r, acts in enumerate(self.actions)]
+        return "\n".join(lines) + "\n"
+
+    @classmethod
+    def from_text(cls, text: str) -> Plan:
+        """Parse :meth:`to_text`'s output."""
+        world = micro = None
+        placement: list[tuple[str, DeviceGroup]] = []
+        edges: list[tuple[str, str]] = []
+        sets: dict[str, set[str]] = {"backward": set(), "trainable": set()}
+        actions: dict[int, tuple[Action, ...]] = {}
+        for n, line in enumerate(text.splitlines(), 1):
+            head, _, rest = line.strip().partition(" ")
+            if not head:
+                continue
+            if head == "world_size":
+                world = int(rest)
+            elif head == "micro_batches":
+                micro = int(rest)
+            elif head == "place":
+                m = re.fullmatch(r"(\S+) ranks=([\d,]+) dp=(\d+)", rest)
+                if m is None:
+                    raise PlanError(f"line {n}: bad placement {line!r}")
+                placement.append((m[1], DeviceGroup(tuple(int(r) for r in m[2].split(",")), int(m[3]))))
+            elif head == "edge":
+                src, _, dst = rest.partition("->")
+                edges.append((src, dst))
+            elif head in sets:
+                sets[head].add(rest)
+            elif head == "rank":
+                r, _, acts = rest.partition(":")
+                actions[int(r)] = tuple(Action.parse(a) for a in acts.split())
+            else:
+                raise PlanError(f"line {n}: unknown directive {head!r}")
+        if world is None or micro is None:
+            raise PlanError("plan text needs 'world_size N' and 'micro_batches N' lines")
+        acts = tuple(actions.get(r, ()) for r in range(world))
+        return cls(
+            world,
+            tuple(placement),
+            micro,
+            acts,
+            tuple(edges),
+            frozenset(sets["backward"]),
+            frozenset(sets["trainable"]),
+        )
+
+    # ---- validation ---------------------------------------------------------------------------
+    def validate(self) -> None:
+        """Check ranks, placement, pairing and dependencies by a dry run; raise :class:`PlanError`."""
+        if len(self.actions) != self.world_size:
+            raise PlanError(f"plan has {len(self.actions)} action lists for world_size {self.world_size}")
+        groups = self.groups
+        if len(groups) != len(self.placement):
+            dup = [s for s, c in Counter(s for s, _ in self.placement).items() if c > 1]
+            raise PlanError(f"stages placed more than once: {dup}")
+        for stage, group in self.placement:
+            bad = [r for r in group.ranks if not 0 <= r < self.world_size]
+            if bad:
+                raise PlanError(f"stage {stage!r} is placed on ranks {bad} outside world_size {self.world_size}")
+        _check_complete(self)
+        _dry_run(self)
+
+    def format_table(self, marks: Mapping[int, int] | None = None) -> str:
+        """The rank x step table; ``marks`` maps a rank to the step flagged ``<-- ERROR HERE``."""
+        marks = marks or {}
+        width = max((len(str(a)) for acts in self.actions for a in acts), default=4) + 2
+        lines = ["step | " + "".join(f"rank {r}".ljust(width) for r in range(self.world_size))]
+        for i in range(max((len(a) for a in self.actions), default=0)):
+            cells = [str(acts[i]) if i < len(acts) else "" for acts in self.actions]
+            row = f"{i:4d} | " + "".join(c.ljust(width) for c in cells)
+            flagged = [r for r, s in marks.items() if s == i]
+            lines.append(row.rstrip() + (f"   <-- ERROR HERE (rank {', '.join(map(str, flagged))})" if flagged else ""))
+        return "\n".join(lines)
+
+
+def _check_complete(plan: Plan) -> None:
+    """Every rank of a stage's group runs F (and B) once per micro-batch and STEPs once if trainable."""
+    for stage, group in plan.placement:
+        expected = [(ActionKind.F, m) for m in range(plan.micro_batches)]
+        if stage in plan.backward:
+            expected += [(ActionKind.B, m) for m in range(plan.micro_batches)]
+        if stage in plan.trainable:
+            expected.append((ActionKind.STEP, None))
+        for rank in group.ranks:
+            acts = plan.actions[rank]
+            have = Counter((a.kind, a.mb) for a in acts if a.stage == stage and a.kind not in TRANSFERS)
+            missing = [
+                f"{stage}:{k.value}" + (f":mb{m}" if m is not None else "") for k, m in expected if not have[(k, m)]
+            ]
+            extra = [k for k, c in have.items() if c > 1 or k not in expected]
+            if missing or extra:
+                what = (
+                    f"missing {missing}"
+                    if missing
+                    else f"duplicated or unexpected {[f'{k.value}:mb{m}' for k, m in extra]}"
+                )
+                raise PlanError(f"rank {rank}: stage {stage!r} {what}\n{plan.format_table({rank: len(acts)})}")
+
+
+# ---- the dry run --------------------------------------------------------------------------------
+def _transfer_key(rank: int, a: Action) -> tuple:
+    """Identify a message from both ends: (kind of message, edge, mb, sender, receiver)."""
+    grad = a.kind in (ActionKind.SEND_GRAD, ActionKind.RECV_GRAD)
+    sending = a.kind in (ActionKind.SEND, ActionKind.SEND_GRAD)
+    assert a.peer is not None
+    src, dst = (rank, a.peer) if sending else (a.peer, rank)
+    return ("G" if grad else "A", a.stage, a.dst, a.mb, src, dst)
+
+
+def _dry_run(plan: Plan) -> None:
+    """Execute all lists symbolically: sends are buffered, receives wait; report the first stall."""
+    for rank, acts in enumerate(plan.actions):
+        for step, a in enumerate(acts):
+            problem = _static_problem(plan, rank, a)
+            if problem:
+                raise PlanError(f"rank {rank} step {step}: {a}: {problem}\n{plan.format_table({rank: step})}")
+    sends = Counter(
+        _transfer_key(r, a) for r, acts in enumerate(plan.actions) for a in acts if a.kind.value.startswith("SEND")
+    )
+    recvs = Counter(
+        _transfer_key(r, a) for r, acts in enumerate(plan.actions) for a in acts if a.kind.value.startswith("RECV")
+    )
+    for key in (sends - recvs) + (recvs - sends):
+        _raise_unpaired(plan, key, sends)
+    pos = [0] * plan.world_size
+    sent: set[tuple] = set()
+    done: list[set[tuple]] = [set() for _ in range(plan.world_size)]
+    progress = True
+    while progress:
+        progress = False
+        for rank, acts in enumerate(plan.actions):
+            while pos[rank] < len(acts) and _ready(plan, rank, acts[pos[rank]], sent, done[rank]):
+                a = acts[pos[rank]]
+                if a.kind.value.startswith("SEND"):
+                    sent.add(_transfer_key(rank, a))
+                done[rank].add((a.stage, a.kind, a.mb, a.dst, a.peer))
+                pos[rank] += 1
+                progress = True
+    stuck = {r: p for r, p in enumerate(pos) if p < len(plan.actions[r])}
+    if stuck:
+        detail = "; ".join(f"rank {r} waits at {plan.actions[r][p]}" for r, p in stuck.items())
+        raise PlanError(f"deadlock or unmet dependency: {detail}\n{plan.format_table(stuck)}")
+
+
+def _static_problem(plan: Plan, rank: int, a: Action) -> str | None:
+    groups = plan.groups
+    if a.stage not in groups or (a.dst is not None and a.dst not in groups):
+        return f"unknown stage in action (placed: {sorted(groups)})"
+    if a.mb is not None and not 0 <= a.mb < plan.micro_batches:
+        return f"micro-batch {a.mb} outside 0..{plan.micro_batches - 1}"
+    if a.peer is not None and not 0 <= a.peer < plan.world_size:
+        return f"peer rank {a.peer} outside world_size {plan.world_size}"
+    owner = a.dst if a.kind in (ActionKind.RECV, ActionKind.SEND_GRAD) else a.stage
+    if rank not in groups[owner].ranks:
+        return f"stage {owner!r} is not placed on rank {rank} ({groups[owner]})"
+    return None
+
+
+def _raise_unpaired(plan: Plan, key: tuple, sends: Counter) -> None:
+    kind, stage, dst, mb, src, dst_rank = key
+    side = "SEND without a matching RECV" if key in sends else "RECV without a matching SEND"
+    rank = src if key in sends else dst_rank
+    step = next(i for i, a in enumerate(plan.actions[rank]) if a.kind in TRANSFERS and _transfer_key(rank, a) == key)
+    raise PlanError(f"{side}: {plan.actions[rank][step]} on rank {rank}\n{plan.format_table({rank: step})}")
+
+
+def _ready(plan: Plan, rank: int, a: Action, sent: set[tuple], done: set[tuple]) -> bool:
+    """Whether ``a`` can run on ``rank`` now, given what was sent and what ``rank`` has done."""
+    if a.kind in (ActionKind.RECV, ActionKind.RECV_GRAD):
+        return _transfer_key(rank, a) in sent
+    if a.kind == ActionKind.SEND:
+        return (a.stage, ActionKind.F, a.mb, None, None) in done
+    if a.kind == ActionKind.SEND_GRAD:
+        return (a.dst, ActionKind.B, a.mb, None, None) in done
+    if a.kind == ActionKind.F:
+        return all(_has(rank, p, a.stage, a.mb, ActionKind.RECV, plan, done) for p in plan.producers(a.stage))
+    if a.kind == ActionKind.B:
+        grads = [c for c in plan.consumers(a.stage) if c in plan.backward]
+        forward_done = (a.stage, ActionKind.F, a.mb, None, None) in done
+        return forward_done and all(_has(rank, a.stage, c, a.mb, ActionKind.RECV_GRAD, plan, done) for c in grads)
+    # STEP: after every micro-batch's backward of the stage on this rank.
+    return all((a.stage, ActionKind.B, m, None, None) in done for m in range(plan.micro_batches))
+
+
+def _has(rank: int, src: str, dst: str, mb: int | None, kind: ActionKind, plan: Plan, done: set[tuple]) -> bool:
+    """Whether ``rank`` holds the ``src -> dst`` tensors (activations, or gradients) of ``mb``."""
+    groups = plan.groups
+    local_stage, remote = (src, groups[src]) if kind == ActionKind.RECV else (dst, groups[dst])
+    mine = groups[dst] if kind == ActionKind.RECV else groups[src]
+    for peer in overlapping_ranks(mine, rank, remote):
+        if peer == rank:
+            local_kind = ActionKind.F if kind == ActionKind.RECV else ActionKind.B
+            if (local_stage, local_kind, mb, None, None) not in done:
+                return False
+        elif (src, kind, mb, dst, peer) not in done:
+            return False
+    return True
+
+
+def overlapping_ranks(group: DeviceGroup, rank: int, other: DeviceGroup) -> list[int]:
+    """Ranks of ``other`` whose share of a micro-batch overlaps ``rank``'s share in ``group``."""
+    i = group.ranks.index(rank)
+    lo, hi = Fraction(i, group.dp), Fraction(i + 1, group.dp)
+    return [r for j, r in enumerate(other.ranks) if Fraction(j, other.dp) < hi and lo < Fraction(j + 1, other.dp)]
+
+
+def parse_placement(raw: Mapping[str, Sequence[int] | Mapping[str, object]]) -> dict[str, DeviceGroup]:
+    """``{text: [0], dit: {ranks: [1, 2], dp: 2}}`` -> ``{stage: DeviceGroup}`` (config form)."""
+    out = {}
+    for stage, spec in raw.items():
+        if isinstance(spec, Mapping):
+            unknown = set(spec) - {"ranks", "dp"}
+            if unknown:
+                raise PlanError(f"placement.{stage}: unknown keys {sorted(unknown)} (allowed: ranks, dp)")
+            ranks = spec.get("ranks")
+            dp = spec.get("dp", len(ranks) if isinstance(ranks, Sequence) else 1)
+        else:
+            ranks, dp = spec, len(spec)
+        if not isinstance(ranks, Sequence) or not all(isinstance(r, int) for r in ranks):
+            raise PlanError(f"placement.{stage}: ranks must be a list of ints, got {ranks!r}")
+        if not isinstance(dp, int):
+            raise PlanError(f"placement.{stage}: dp must be an int, got {dp!r}")
+        out[stage] = DeviceGroup(tuple(ranks), dp)
+    return out
