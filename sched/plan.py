@@ -212,6 +212,11 @@ class Plan:
             bad = [r for r in group.ranks if not 0 <= r < self.world_size]
             if bad:
                 raise PlanError(f"stage {stage!r} is placed on ranks {bad} outside world_size {self.world_size}")
+        for rank, acts in enumerate(self.actions):
+            for step, a in enumerate(acts):
+                problem = _static_problem(self, rank, a)
+                if problem:
+                    raise PlanError(f"rank {rank} step {step}: {a}: {problem}\n{self.format_table({rank: step})}")
         _check_complete(self)
         _dry_run(self)
 
@@ -264,11 +269,6 @@ def _transfer_key(rank: int, a: Action) -> tuple:
 
 def _dry_run(plan: Plan) -> None:
     """Execute all lists symbolically: sends are buffered, receives wait; report the first stall."""
-    for rank, acts in enumerate(plan.actions):
-        for step, a in enumerate(acts):
-            problem = _static_problem(plan, rank, a)
-            if problem:
-                raise PlanError(f"rank {rank} step {step}: {a}: {problem}\n{plan.format_table({rank: step})}")
     sends = Counter(
         _transfer_key(r, a) for r, acts in enumerate(plan.actions) for a in acts if a.kind.value.startswith("SEND")
     )

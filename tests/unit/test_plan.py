@@ -1,0 +1,156 @@
+"""Plan IR: text round trip, generated schedules, and validation failures with the rank x step table."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from mmpipe.sched.plan import Action, ActionKind, DeviceGroup, Plan, PlanError, parse_placement
+from mmpipe.sched.schedule import ScheduleKind, build_plan
+
+
+@dataclasses.dataclass
+class S:
+    name: str
+    frozen: bool
+
+
+class G:
+    """A stage-level graph: what the schedule generator reads."""
+
+    def __init__(self, stages: dict[str, bool], edges: list[tuple[str, str]]) -> None:
+        self.stages = {n: S(n, f) for n, f in stages.items()}
+        self._edges = edges
+
+    def topological_order(self) -> list[str]:
+        return list(self.stages)
+
+    def stage_edges(self) -> list[tuple[str, str]]:
+        return self._edges
+
+
+T2V = G({"text": True, "vae": True, "dit": False}, [("text", "dit"), ("vae", "dit")])
+# understand-then-generate: a frozen vision tower, then two trainable stages, gradients cross two boundaries
+U2G = G({"vit": True, "llm": False, "connector": False, "dit": False}, [("vit", "llm"), ("llm", "connector"), ("connector", "dit")])
+FANOUT = G({"enc": False, "a": False, "b": False}, [("enc", "a"), ("enc", "b")])
+
+PLACEMENTS = [
+    (T2V, {"text": [0], "vae": [0], "dit": [0]}, 1),
+    (T2V, {"text": [0], "vae": [0], "dit": [1]}, 2),
+    (T2V, {"text": [0], "vae": [1], "dit": [2]}, 3),
+    (T2V, {"text": [0], "vae": [0], "dit": {"ranks": [1, 2], "dp": 2}}, 3),
+    (U2G, {"vit": [0], "llm": [1], "connector": [1], "dit": [2]}, 3),
+    (U2G, {"vit": [0], "llm": {"ranks": [1, 2], "dp": 2}, "connector": [3], "dit": [3]}, 4),
+    (FANOUT, {"enc": [0], "a": [1], "b": [2]}, 3),
+]
+
+
+@pytest.mark.parametrize("schedule", list(ScheduleKind))
+@pytest.mark.parametrize(("graph", "placement", "world"), PLACEMENTS)
+def test_generated_plans_validate_and_round_trip(graph: G, placement: dict, world: int, schedule: ScheduleKind) -> None:
+    plan = build_plan(graph, parse_placement(placement), 4, world_size=world, schedule=schedule)
+    assert Plan.from_text(plan.to_text()) == plan
+    for rank in range(world):
+        kinds = [a.kind for a in plan.actions[rank]]
+        trainable_here = [s for s in plan.stages_on(rank) if s in plan.trainable]
+        assert kinds.count(ActionKind.STEP) == len(trainable_here)
+    sends = sum(a.kind == ActionKind.SEND for acts in plan.actions for a in acts)
+    recvs = sum(a.kind == ActionKind.RECV for acts in plan.actions for a in acts)
+    assert sends == recvs
+
+
+def test_1f1b_bounds_in_flight_micro_batches() -> None:
+    plan = build_plan(U2G, parse_placement({"vit": [0], "llm": [1], "connector": [1], "dit": [2]}), 6, world_size=3)
+    # rank 1 is one hop from the end of the backward path: at most 2 forwards ahead of its backwards.
+    in_flight = peak = 0
+    for a in plan.actions[1]:
+        if a.kind == ActionKind.F and a.stage == "llm":
+            in_flight += 1
+        if a.kind == ActionKind.B and a.stage == "llm":
+            in_flight -= 1
+        peak = max(peak, in_flight)
+    assert peak == 2
+    gpipe = build_plan(U2G, parse_placement({"vit": [0], "llm": [1], "connector": [1], "dit": [2]}), 6, world_size=3, schedule=ScheduleKind.GPIPE)
+    kinds = [a.kind for a in gpipe.actions[1] if a.stage == "llm" and a.kind in (ActionKind.F, ActionKind.B)]
+    assert kinds == [ActionKind.F] * 6 + [ActionKind.B] * 6  # GPipe: all forwards in flight at once
+
+
+def test_action_text_form() -> None:
+    for text in ["dit:F:mb3", "dit:B:mb0", "text->dit:SEND:mb2@r1", "text->dit:RECVG:mb0@r3", "dit:STEP"]:
+        assert str(Action.parse(text)) == text
+    assert Action.parse("text->dit:SEND:mb2@r1") == Action("text", ActionKind.SEND, 2, "dit", 1)
+    with pytest.raises(PlanError, match="unknown action kind 'FWD'"):
+        Action.parse("dit:FWD:mb0")
+    with pytest.raises(PlanError, match="malformed action text->dit:SEND:mb0"):
+        Action.parse("text->dit:SEND:mb0")
+
+
+def _t2v_two_rank_plan() -> Plan:
+    return build_plan(T2V, parse_placement({"text": [0], "vae": [0], "dit": [1]}), 2, world_size=2)
+
+
+def _with_rank_actions(plan: Plan, rank: int, actions: list[Action]) -> Plan:
+    acts = list(plan.actions)
+    acts[rank] = tuple(actions)
+    return dataclasses.replace(plan, actions=tuple(acts))
+
+
+def test_deadlock_is_reported_with_the_table() -> None:
+    plan = _t2v_two_rank_plan()
+    # rank 1 waits for micro-batch 1 before micro-batch 0 while rank 0 ... still completes (sends are buffered);
+    # swapping rank 0's forward and its receive of a gradient that never comes is a true stall:
+    acts = list(plan.actions[1])
+    f0 = acts.index(Action("dit", ActionKind.F, 0))
+    b0 = acts.index(Action("dit", ActionKind.B, 0))
+    acts[f0], acts[b0] = acts[b0], acts[f0]
+    with pytest.raises(PlanError) as err:
+        _with_rank_actions(plan, 1, acts).validate()
+    text = str(err.value)
+    assert "deadlock or unmet dependency: rank 1 waits at dit:B:mb0" in text
+    assert "<-- ERROR HERE (rank 1)" in text and "step | rank 0" in text
+    flagged = next(line for line in text.splitlines() if "ERROR HERE" in line)
+    assert "dit:B:mb0" in flagged
+
+
+def test_unpaired_send_and_receive() -> None:
+    plan = _t2v_two_rank_plan()
+    acts = [a for a in plan.actions[1] if a != Action("text", ActionKind.RECV, 1, "dit", 0)]
+    with pytest.raises(PlanError, match=r"SEND without a matching RECV: text->dit:SEND:mb1@r1 on rank 0"):
+        _with_rank_actions(plan, 1, acts).validate()
+
+
+def test_cross_rank_receive_cycle_deadlocks() -> None:
+    plan = _t2v_two_rank_plan()
+    # rank 0 first waits for a gradient that rank 1 can only send after rank 0's forward: a cycle.
+    bogus = Action("text", ActionKind.RECV_GRAD, 0, "dit", 1)
+    rank1 = list(plan.actions[1])
+    rank1.insert(rank1.index(Action("dit", ActionKind.B, 0)) + 1, Action("text", ActionKind.SEND_GRAD, 0, "dit", 0))
+    p = _with_rank_actions(_with_rank_actions(plan, 0, [bogus, *plan.actions[0]]), 1, rank1)
+    with pytest.raises(PlanError, match="rank 0 waits at text->dit:RECVG:mb0@r1"):
+        p.validate()
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda p: dataclasses.replace(p, placement=p.placement + (("dit", DeviceGroup((0,))),)), "placed more than once"),
+        (lambda p: dataclasses.replace(p, placement=(("text", DeviceGroup((5,))),) + p.placement[1:]), "ranks [5] outside world_size 2"),
+        (lambda p: _with_rank_actions(p, 1, [a for a in p.actions[1] if a.kind != ActionKind.STEP]), "stage 'dit' missing ['dit:STEP']"),
+        (lambda p: _with_rank_actions(p, 0, [Action("dit", ActionKind.F, 0), *p.actions[0]]), "stage 'dit' is not placed on rank 0"),
+        (lambda p: _with_rank_actions(p, 1, [Action("dit", ActionKind.F, 7), *p.actions[1]]), "micro-batch 7 outside 0..1"),
+    ],
+)
+def test_static_errors(edit, message: str) -> None:
+    with pytest.raises(PlanError) as err:
+        edit(_t2v_two_rank_plan()).validate()
+    assert message in str(err.value)
+
+
+def test_placement_config_errors() -> None:
+    with pytest.raises(PlanError, match="dp=3 must equal its number of ranks"):
+        parse_placement({"dit": {"ranks": [1, 2], "dp": 3}})
+    with pytest.raises(PlanError, match=r"placement.dit: unknown keys \['sp'\]"):
+        parse_placement({"dit": {"ranks": [1], "sp": 2}})
+    with pytest.raises(PlanError, match="missing \\['vae'\\], unknown \\['vea'\\]"):
+        build_plan(T2V, parse_placement({"text": [0], "vea": [0], "dit": [1]}), 2, world_size=2)
