@@ -31,10 +31,10 @@ class ModelConfig:
     text_encoder: Literal["umt5", "qwen2"] = "umt5"
     text_dim: int = 32
     text_len: int = 16
-    dit_heads: int = 4
+    dit_heads: int = 16
     dit_head_dim: int = 16
-    dit_layers: int = 2
-    vae_base_dim: int = 8
+    dit_layers: int = 4
+    vae_base_dim: int = 4
     flow_shift: float = 3.0
 
     def __post_init__(self) -> None:

@@ -233,23 +233,34 @@ class _Loop:
         size = self.micro_size
         return lambda mb: collate(self.text, [self.train_set[i] for i in indices[mb * size : (mb + 1) * size]])
 
-    def reduce(self, local: torch.Tensor) -> torch.Tensor:
+    def reduce(self, local: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
         """Sum a metrics vector over ranks (each value is owned by one rank, the others add 0)."""
         if self.mesh.distributed:
-            dist.all_reduce(local)
+            dist.all_reduce(local, group=group)
         return local
 
-    def train_step(self, step: int) -> dict[str, Any]:
+    @property
+    def lead(self) -> bool:
+        """The rank that logs: the first rank holding a trainable stage."""
+        return self.rank == self.mesh.metrics_ranks[0]
+
+    def train_step(self, step: int) -> dict[str, Any] | None:
+        """One optimizer step of this rank's actions; the metrics record on ranks that report them."""
         self.events.step, self.events.phase = step + 1, "train"
-        out = self.executor.run(self.train_plan.actions[self.rank], self.batch_fn(step), self.options(step))
+        reporting = self.rank in self.mesh.metrics_ranks
+        actions = self.train_plan.actions[self.rank]
+        out = self.executor.run(actions, self.batch_fn(step), self.options(step), flush=reporting)
+        if not reporting:
+            return None
+        group = self.mesh.metrics_group
         owned = [self._owns_norm(s) for s in self.trainable]
         norms = [out["grad_norm"].get(s, 0.0) if own else 0.0 for s, own in zip(self.trainable, owned, strict=True)]
         lrs = [
             self.executor.optimizers[s].lr_scheduler.get_last_lr()[0] if own else 0.0
             for s, own in zip(self.trainable, owned, strict=True)
         ]
-        vec = self.reduce(torch.tensor([0.0, *norms, *lrs], dtype=torch.float64))
-        loss = self.reduce(out["loss"].reshape(1))  # float32, summed exactly as a single rank would
+        vec = self.reduce(torch.tensor([0.0, *norms, *lrs], dtype=torch.float64), group)
+        loss = self.reduce(out["loss"].reshape(1), group)  # float32, summed exactly as a single rank would
         record: dict[str, Any] = {"step": step + 1, "loss": loss.item()}
         k = len(self.trainable)
         for s, norm, lr in zip(self.trainable, vec[1 : 1 + k].tolist(), vec[1 + k :].tolist(), strict=True):
@@ -262,6 +273,7 @@ class _Loop:
 
     def validation_loss(self) -> float:
         """Mean flow-matching loss on the fixed validation set with fixed noise (forward-only plan)."""
+        self.executor.flush()
         n_micro, seed = self.cfg.train.micro_batches, self.cfg.train.seed
         chunks = [self.val_batches[i : i + n_micro] for i in range(0, len(self.val_batches) - n_micro + 1, n_micro)]
         total, self.events.phase = torch.zeros(()), "val"
@@ -282,7 +294,7 @@ def run_rank(cfg: RunConfig, graph: Graph, *, rank: int, world_size: int) -> Tra
     if tc.threads:
         torch.set_num_threads(tc.threads)
     loop = _Loop(cfg, graph, rank, world_size)
-    run_dir, lead = loop.run_dir, rank == 0
+    run_dir, lead = loop.run_dir, loop.lead
     start = 0
     ckpt = latest_checkpoint(run_dir)
     if ckpt is not None and (tc.resume or _restarted()):
@@ -299,7 +311,7 @@ def run_rank(cfg: RunConfig, graph: Graph, *, rank: int, world_size: int) -> Tra
     bar = tqdm(total=tc.steps, initial=start, desc="train", disable=not (tc.progress and lead), dynamic_ncols=True)
     t0, window = time.perf_counter(), 0
     for step in range(start, tc.steps):
-        record = loop.train_step(step)
+        record = loop.train_step(step) or {}
         window += tc.batch_size
         done = step + 1
         if done % tc.log_every == 0 or done == tc.steps:
@@ -307,13 +319,16 @@ def run_rank(cfg: RunConfig, graph: Graph, *, rank: int, world_size: int) -> Tra
             t0, window = time.perf_counter(), 0
         if done % tc.val_every == 0 or done == tc.steps:
             last_val = record["val_loss"] = loop.validation_loss()
-        _log(metrics, record)
+        if lead:
+            _log(metrics, record)
+            bar.set_postfix(loss=f"{record['loss']:.4f}", **_speed(record))
         loop.events.flush()
         if done % tc.ckpt_every == 0 or done == tc.steps:
+            loop.executor.flush()
             save_checkpoint(run_dir, done, loop.executor.modules, loop.executor.optimizers)
-        bar.set_postfix(loss=f"{record['loss']:.4f}", **_speed(record))
         bar.update(1)
     bar.close()
+    loop.executor.flush()
     loop.events.close()
     if metrics is not None:
         metrics.close()

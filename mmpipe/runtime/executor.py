@@ -13,6 +13,7 @@ Legend: rows are the micro-batch (dim 0) indices ``[start, stop)`` a rank holds 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from collections import defaultdict
@@ -58,13 +59,16 @@ class Executor:
         *,
         batch_size: int,
         events: EventRecorder | None = None,
-        max_inflight_sends: int = 8,
+        max_inflight_sends: int = 4,
     ) -> None:
         self.graph, self.plan, self.mesh, self.rank = graph, plan, mesh, mesh.rank
         self.groups = plan.groups
         self.batch_size = batch_size
         self.events = events
+        # Sends in flight (works + the tensors they read), kept across passes: a rank that only
+        # produces for others may run ahead into the next step by up to this many messages.
         self.max_inflight = max_inflight_sends
+        self._inflight: collections.deque[tuple[list[dist.Work], list[torch.Tensor]]] = collections.deque()
         for stage, group in plan.placement:
             if batch_size % group.dp:
                 raise PlanError(f"micro-batch size {batch_size} is not divisible by dp={group.dp} of stage {stage!r}")
@@ -87,8 +91,13 @@ class Executor:
         return self.groups[stage].rows(self.rank if rank is None else rank, self.batch_size)
 
     # ---- one pass over an action list -------------------------------------------------------------
-    def run(self, actions: tuple[Action, ...], batch_fn: BatchFn, options_fn: OptionsFn) -> dict[str, Any]:
-        """Interpret ``actions``; returns ``{"loss": weighted local loss sum, "grad_norm": {stage: norm}}``."""
+    def run(
+        self, actions: tuple[Action, ...], batch_fn: BatchFn, options_fn: OptionsFn, *, flush: bool = True
+    ) -> dict[str, Any]:
+        """Interpret ``actions``; returns ``{"loss": weighted local loss sum, "grad_norm": {stage: norm}}``.
+
+        ``flush=False`` returns with sends still in flight (bounded by ``max_inflight_sends``).
+        """
         state = _StepState()
         for i, action in enumerate(actions):
             start = time.perf_counter()
@@ -100,8 +109,8 @@ class Executor:
                 ) from err
             if self.events is not None:
                 self.events.record(action, start, time.perf_counter(), moved)
-        for work in state.inflight:
-            work.wait()
+        if flush:
+            self.flush()
         return {"loss": state.loss, "grad_norm": state.grad_norms}
 
     def _dispatch(self, a: Action, st: _StepState, batch_fn: BatchFn, options_fn: OptionsFn) -> int:
@@ -218,11 +227,20 @@ class Executor:
             clo, chi = self.rows(a.dst, a.peer)
             out = st.outputs[(a.stage, a.mb)]
             tensors = [out[sp][max(lo, clo) - lo : min(hi, chi) - lo] for sp, _ in ports]
-        st.inflight += isend_tensors(tensors, a.peer, self._tag(a.stage, a.dst, grad))
-        st.keep.append(tensors)
-        if len(st.inflight) > self.max_inflight:  # bound how far a producer runs ahead
-            st.inflight.pop(0).wait()
+        self._inflight.append((isend_tensors(tensors, a.peer, self._tag(a.stage, a.dst, grad)), tensors))
+        while len(self._inflight) > self.max_inflight:  # bound how far a producer runs ahead
+            self._wait_oldest()
         return nbytes(tensors)
+
+    def _wait_oldest(self) -> None:
+        works, _ = self._inflight.popleft()
+        for work in works:
+            work.wait()
+
+    def flush(self) -> None:
+        """Wait for every send in flight (before collectives, checkpoints and exit)."""
+        while self._inflight:
+            self._wait_oldest()
 
     def _recv(self, a: Action, st: _StepState, *, grad: bool) -> int:
         assert a.dst is not None and a.peer is not None and a.mb is not None
@@ -258,8 +276,6 @@ class _StepState:
     pending_grads: defaultdict[tuple[str, str, int], dict[str, torch.Tensor]] = dataclasses.field(
         default_factory=lambda: defaultdict(dict)
     )
-    inflight: list[dist.Work] = dataclasses.field(default_factory=list)
-    keep: list[list[torch.Tensor]] = dataclasses.field(default_factory=list)
     loss: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros(()))
     grad_norms: dict[str, float] = dataclasses.field(default_factory=dict)
 

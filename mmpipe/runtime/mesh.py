@@ -20,6 +20,11 @@ class MeshOwner:
     def __init__(self, plan: Plan, rank: int, world_size: int, *, device_type: str = "cpu") -> None:
         self.rank, self.world_size = rank, world_size
         self._dp: dict[str, DeviceMesh] = {}
+        # Ranks that hold trainable stages report per-step metrics among themselves; ranks that
+        # only run frozen producers never join a per-step collective, so they can run ahead.
+        trainable = sorted({r for s, g in plan.placement if s in plan.trainable for r in g.ranks})
+        self.metrics_ranks: list[int] = trainable or list(range(world_size))
+        self.metrics_group = dist.new_group(self.metrics_ranks) if self.distributed else None
         for stage, group in plan.placement:
             if group.dp > 1:
                 mesh = DeviceMesh(device_type, list(group.ranks))
