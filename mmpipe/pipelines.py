@@ -205,6 +205,9 @@ def flow_shift_of(scheduler_config: Any) -> float:
     return 1.0
 
 
+T2V_TRAIN_STAGES = ("text", "vae", "dit")  # the stage names of build_t2v_training_graph
+
+
 def build_t2v_training_graph(pipeline_dir: str | Path, *, text_len: int) -> Graph:
     """The flow-matching training graph of a local WanPipeline-layout directory."""
     from diffusers import UniPCMultistepScheduler

@@ -28,12 +28,12 @@ from mmpipe.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoin
 from mmpipe.config import DataConfig, ModelConfig, RunConfig, from_dict, to_dict
 from mmpipe.data import FolderVideoDataset, MovingShapesDataset, caption_vocabulary
 from mmpipe.graph import Graph
-from mmpipe.pipelines import build_t2v_training_graph
+from mmpipe.pipelines import T2V_TRAIN_STAGES, build_t2v_training_graph
 from mmpipe.presets import save_tiny_wan_pipeline
 from mmpipe.runtime.events import EventRecorder
 from mmpipe.runtime.executor import Executor, OptionsFn, StageOptim
 from mmpipe.runtime.mesh import MeshOwner
-from mmpipe.sched.plan import DeviceGroup, Plan, parse_placement
+from mmpipe.sched.plan import DeviceGroup, Plan, PlanError, parse_placement
 from mmpipe.sched.schedule import ScheduleKind, build_plan
 from mmpipe.stages import TextEncoderStage
 
@@ -139,6 +139,23 @@ def default_placement(graph: Graph, world_size: int) -> dict[str, DeviceGroup]:
     return {s: DeviceGroup((0,)) if st.frozen else DeviceGroup(rest, len(rest)) for s, st in graph.stages.items()}
 
 
+def check_placement(cfg: RunConfig) -> None:
+    """Reject a placement naming unknown stages or ranks outside ``launch.nproc``, before anything is written."""
+    if not cfg.placement:
+        return
+    placement = parse_placement(cfg.placement)
+    unknown = sorted(set(placement) - set(T2V_TRAIN_STAGES))
+    missing = sorted(set(T2V_TRAIN_STAGES) - set(placement))
+    if unknown or missing:
+        raise PlanError(
+            f"placement: unknown stages {unknown}, unplaced stages {missing}; stages: {list(T2V_TRAIN_STAGES)}"
+        )
+    for stage, group in placement.items():
+        bad = [r for r in group.ranks if not 0 <= r < cfg.launch.nproc]
+        if bad:
+            raise PlanError(f"placement.{stage}: ranks {bad} outside launch.nproc={cfg.launch.nproc}")
+
+
 def make_plans(graph: Graph, cfg: RunConfig) -> tuple[Plan, Plan]:
     """(training plan, forward-only validation plan) of ``graph`` under the configured placement."""
     world = cfg.launch.nproc
@@ -177,6 +194,7 @@ def prepare_run(cfg: RunConfig) -> tuple[Path, Graph]:
 
 def train(cfg: RunConfig) -> TrainResult:
     """Train the trainable stages of the text-to-video graph on ``launch.nproc`` local ranks."""
+    check_placement(cfg)
     run_dir, graph = prepare_run(cfg)
     train_plan, _ = make_plans(graph, cfg)  # validated here, before any worker starts
     cfg = dataclasses.replace(cfg, run_dir=str(run_dir))

@@ -188,12 +188,12 @@ class Plan:
                 raise PlanError(f"line {n}: unknown directive {head!r}")
         if world is None or micro is None:
             raise PlanError("plan text needs 'world_size N' and 'micro_batches N' lines")
-        acts = tuple(actions.get(r, ()) for r in range(world))
+        per_rank = tuple(actions.get(r, ()) for r in range(world))
         return cls(
             world,
             tuple(placement),
             micro,
-            acts,
+            per_rank,
             tuple(edges),
             frozenset(sets["backward"]),
             frozenset(sets["trainable"]),
@@ -236,7 +236,7 @@ class Plan:
 def _check_complete(plan: Plan) -> None:
     """Every rank of a stage's group runs F (and B) once per micro-batch and STEPs once if trainable."""
     for stage, group in plan.placement:
-        expected = [(ActionKind.F, m) for m in range(plan.micro_batches)]
+        expected: list[tuple[ActionKind, int | None]] = [(ActionKind.F, m) for m in range(plan.micro_batches)]
         if stage in plan.backward:
             expected += [(ActionKind.B, m) for m in range(plan.micro_batches)]
         if stage in plan.trainable:
@@ -305,7 +305,7 @@ def _static_problem(plan: Plan, rank: int, a: Action) -> str | None:
         return f"micro-batch {a.mb} outside 0..{plan.micro_batches - 1}"
     if a.peer is not None and not 0 <= a.peer < plan.world_size:
         return f"peer rank {a.peer} outside world_size {plan.world_size}"
-    owner = a.dst if a.kind in (ActionKind.RECV, ActionKind.SEND_GRAD) else a.stage
+    owner = a.dst if a.kind in (ActionKind.RECV, ActionKind.SEND_GRAD) and a.dst is not None else a.stage
     if rank not in groups[owner].ranks:
         return f"stage {owner!r} is not placed on rank {rank} ({groups[owner]})"
     return None

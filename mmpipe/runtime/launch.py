@@ -10,6 +10,7 @@ resume from the last checkpoint). Across machines, run the same worker module un
 
 from __future__ import annotations
 
+import os
 import socket
 import uuid
 
@@ -18,6 +19,8 @@ from torch.distributed.launcher.api import LaunchConfig as ElasticConfig
 from torch.distributed.launcher.api import elastic_launch
 
 from mmpipe.config import RunConfig, to_dict
+
+_OWN_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 
 def free_port() -> int:
@@ -43,7 +46,17 @@ def launch_local(cfg: RunConfig) -> None:
         monitor_interval=0.5,
         start_method="spawn",
     )
+    # Workers must not share the rendezvous store with the agent: it outlives a restart, and the
+    # restarted workers' sub-groups (FSDP meshes, the metrics group) would read the dead
+    # attempt's addresses from it. With this set, rank 0 hosts a fresh store each attempt.
+    saved = os.environ.get(_OWN_STORE)
+    os.environ[_OWN_STORE] = "1"
     try:
         elastic_launch(elastic, run)(to_dict(cfg))
     except ChildFailedError as err:
         raise RuntimeError(f"training workers failed: {err}") from None
+    finally:
+        if saved is None:
+            os.environ.pop(_OWN_STORE, None)
+        else:
+            os.environ[_OWN_STORE] = saved

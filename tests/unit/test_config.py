@@ -12,8 +12,9 @@ from mmpipe.config import DataConfig, GenerateConfig, ModelConfig, RunConfig, Tr
 
 def test_allowed_top_level_keys() -> None:
     # Every new top-level key is a cost: extend this list deliberately.
-    assert [f.name for f in dataclasses.fields(RunConfig)] == ["run_dir", "model", "data", "train"]
-    assert sorted(compose_config("train", [])) == ["data", "model", "run_dir", "train"]
+    allowed = ["run_dir", "model", "data", "train", "launch", "placement"]
+    assert [f.name for f in dataclasses.fields(RunConfig)] == allowed
+    assert sorted(compose_config("train", [])) == sorted(allowed)
     assert sorted(compose_config("generate", [])) == sorted(f.name for f in dataclasses.fields(GenerateConfig))
 
 
@@ -49,6 +50,9 @@ def test_overrides_and_presets() -> None:
         ({"data": {"root": "/definitely/not/here"}}, "data.root='/definitely/not/here' is not a directory"),
         ({"model": {"path": "org/model"}}, "model.path='org/model' is not a local directory"),
         ({"model": {"dit_head_dim": 15}}, "model.dit_head_dim must be even, got 15"),
+        ({"launch": {"nproc": 0}}, "launch.nproc must be positive, got 0"),
+        ({"placement": [0, 1]}, "placement=[0, 1]: expected a mapping"),
+        ({"data": {"val_samples": 4}}, "data.val_samples=4 must be >= train.batch_size=8"),
     ],
 )
 def test_bad_values_are_named(raw: dict, message: str) -> None:

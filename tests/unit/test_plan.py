@@ -32,7 +32,10 @@ class G:
 
 T2V = G({"text": True, "vae": True, "dit": False}, [("text", "dit"), ("vae", "dit")])
 # understand-then-generate: a frozen vision tower, then two trainable stages, gradients cross two boundaries
-U2G = G({"vit": True, "llm": False, "connector": False, "dit": False}, [("vit", "llm"), ("llm", "connector"), ("connector", "dit")])
+U2G = G(
+    {"vit": True, "llm": False, "connector": False, "dit": False},
+    [("vit", "llm"), ("llm", "connector"), ("connector", "dit")],
+)
 FANOUT = G({"enc": False, "a": False, "b": False}, [("enc", "a"), ("enc", "b")])
 
 PLACEMENTS = [
@@ -71,7 +74,13 @@ def test_1f1b_bounds_in_flight_micro_batches() -> None:
             in_flight -= 1
         peak = max(peak, in_flight)
     assert peak == 2
-    gpipe = build_plan(U2G, parse_placement({"vit": [0], "llm": [1], "connector": [1], "dit": [2]}), 6, world_size=3, schedule=ScheduleKind.GPIPE)
+    gpipe = build_plan(
+        U2G,
+        parse_placement({"vit": [0], "llm": [1], "connector": [1], "dit": [2]}),
+        6,
+        world_size=3,
+        schedule=ScheduleKind.GPIPE,
+    )
     kinds = [a.kind for a in gpipe.actions[1] if a.stage == "llm" and a.kind in (ActionKind.F, ActionKind.B)]
     assert kinds == [ActionKind.F] * 6 + [ActionKind.B] * 6  # GPipe: all forwards in flight at once
 
@@ -134,11 +143,26 @@ def test_cross_rank_receive_cycle_deadlocks() -> None:
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
-        (lambda p: dataclasses.replace(p, placement=p.placement + (("dit", DeviceGroup((0,))),)), "placed more than once"),
-        (lambda p: dataclasses.replace(p, placement=(("text", DeviceGroup((5,))),) + p.placement[1:]), "ranks [5] outside world_size 2"),
-        (lambda p: _with_rank_actions(p, 1, [a for a in p.actions[1] if a.kind != ActionKind.STEP]), "stage 'dit' missing ['dit:STEP']"),
-        (lambda p: _with_rank_actions(p, 0, [Action("dit", ActionKind.F, 0), *p.actions[0]]), "stage 'dit' is not placed on rank 0"),
-        (lambda p: _with_rank_actions(p, 1, [Action("dit", ActionKind.F, 7), *p.actions[1]]), "micro-batch 7 outside 0..1"),
+        (
+            lambda p: dataclasses.replace(p, placement=p.placement + (("dit", DeviceGroup((0,))),)),
+            "placed more than once",
+        ),
+        (
+            lambda p: dataclasses.replace(p, placement=(("text", DeviceGroup((5,))),) + p.placement[1:]),
+            "ranks [5] outside world_size 2",
+        ),
+        (
+            lambda p: _with_rank_actions(p, 1, [a for a in p.actions[1] if a.kind != ActionKind.STEP]),
+            "stage 'dit' missing ['dit:STEP']",
+        ),
+        (
+            lambda p: _with_rank_actions(p, 0, [Action("dit", ActionKind.F, 0), *p.actions[0]]),
+            "stage 'dit' is not placed on rank 0",
+        ),
+        (
+            lambda p: _with_rank_actions(p, 1, [Action("dit", ActionKind.F, 7), *p.actions[1]]),
+            "micro-batch 7 outside 0..1",
+        ),
     ],
 )
 def test_static_errors(edit, message: str) -> None:
