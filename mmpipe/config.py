@@ -27,6 +27,7 @@ class ModelConfig:
     """The text-to-video model: a local diffusers WanPipeline directory, or a tiny random preset."""
 
     name: str = "t2v_tiny"
+    kind: Literal["t2v", "u2g"] = "t2v"  # text-to-video, or understand-then-generate (vision -> LLM -> DiT)
     path: str | None = None  # local WanPipeline-layout directory; None builds the tiny preset below
     text_encoder: Literal["umt5", "qwen2"] = "umt5"
     text_dim: int = 32
@@ -42,6 +43,8 @@ class ModelConfig:
         if self.dit_head_dim % 2:
             # Wan's 3-D rotary embedding splits each head's dims into even frame/height/width parts.
             raise ValueError(f"model.dit_head_dim must be even, got {self.dit_head_dim}")
+        if self.kind == "u2g" and self.path is not None:
+            raise ValueError("model.kind=u2g trains the tiny preset only; model.path must be null")
         if self.path is not None and not Path(self.path).is_dir():
             raise ValueError(f"model.path={self.path!r} is not a local directory (nothing is downloaded)")
 

@@ -206,6 +206,7 @@ def flow_shift_of(scheduler_config: Any) -> float:
 
 
 T2V_TRAIN_STAGES = ("text", "vae", "dit")  # the stage names of build_t2v_training_graph
+U2G_TRAIN_STAGES = ("vision", "llm", "connector", "vae", "dit")  # those of build_u2g_training_graph
 
 
 def build_t2v_training_graph(pipeline_dir: str | Path, *, text_len: int) -> Graph:
@@ -228,5 +229,52 @@ def build_t2v_training_graph(pipeline_dir: str | Path, *, text_len: int) -> Grap
     g.connect("input.video", "vae.video")
     g.connect("text.context", "dit.context")
     g.connect("vae.latents", "dit.latents")
+    g.validate()
+    return g
+
+
+def build_u2g_training_graph(pipeline_dir: str | Path, *, text_len: int) -> Graph:
+    """Understand-then-generate: frozen vision tower -> trainable LLM (image + text tokens) ->
+    trainable connector -> trainable DiT (flow matching), with the frozen Wan VAE encoding the
+    target video. Gradients cross two stage boundaries (dit -> connector -> llm)."""
+    from diffusers import UniPCMultistepScheduler
+
+    from mmpipe.stages.multimodal import ConnectorStage, MultimodalLLMStage, VisionEncoderStage
+
+    root = Path(pipeline_dir)
+    shift = flow_shift_of(UniPCMultistepScheduler.load_config(root / "scheduler"))
+    vision = VisionEncoderStage.from_pretrained("vision", root / "vision")
+    llm = MultimodalLLMStage.from_dir(
+        "llm",
+        root / "llm",
+        vision_width=vision.source.config.hidden_size,
+        num_image_tokens=vision.num_tokens,
+        text_len=text_len,
+    )
+    g = Graph("u2g_train")
+    g.add_input("pixel_values", TensorSpec(("B", 3, vision.image_size, vision.image_size), torch.float32))
+    g.add_input("input_ids", TensorSpec(("B", text_len), torch.int64))
+    g.add_input("attention_mask", TensorSpec(("B", text_len), torch.int64))
+    g.add_input("video", TensorSpec(("B", 3, "T", "H", "W"), torch.float32))
+    for stage in (
+        vision,
+        llm,
+        ConnectorStage.from_dir("connector", root / "connector", seq_len=vision.num_tokens + text_len),
+        WanVAEEncodeStage.from_pretrained("vae", root / "vae"),
+        WanDiTFlowMatchingStage.from_pretrained("dit", root / "transformer", shift=shift),
+    ):
+        g.add_stage(stage)
+    for src, dst in [
+        ("input.pixel_values", "vision.pixel_values"),
+        ("vision.image_tokens", "llm.image_tokens"),
+        ("input.input_ids", "llm.input_ids"),
+        ("input.attention_mask", "llm.attention_mask"),
+        ("llm.hidden", "connector.hidden"),
+        ("llm.mask", "connector.mask"),
+        ("connector.context", "dit.context"),
+        ("input.video", "vae.video"),
+        ("vae.latents", "dit.latents"),
+    ]:
+        g.connect(src, dst)
     g.validate()
     return g

@@ -103,6 +103,46 @@ def build_tiny_wan_pipeline(spec: ModelConfig, texts: Sequence[str], *, seed: in
     )
 
 
+VISION_IMAGE_SIZE = 32  # the tiny vision tower's square input; 16 patches of 8x8
+
+
+def save_tiny_u2g_pipeline(spec: ModelConfig, texts: Sequence[str], path: str | Path, *, seed: int) -> Path:
+    """An understand-then-generate pipeline: the Wan layout (vae/, transformer/, scheduler/,
+    tokenizer/) plus vision/ (SigLIP), llm/ (Qwen2 + image projector) and connector/."""
+    from transformers import SiglipVisionConfig, SiglipVisionModel
+
+    from mmpipe.stages.multimodal import Connector, ImageTextLM
+
+    path = Path(path)
+    pipe: Any = build_tiny_wan_pipeline(spec, texts, seed=seed)
+    pipe.save_pretrained(path)  # text_encoder/ is the LLM's base weights (unused by this graph)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + 1)
+        vision = SiglipVisionModel(
+            SiglipVisionConfig(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                image_size=VISION_IMAGE_SIZE,
+                patch_size=8,
+            )
+        )
+        llm = ImageTextLM(build_text_encoder(dataclasses_replace(spec, text_encoder="qwen2"), len(pipe.tokenizer)), 32)
+        connector = Connector(spec.text_dim, spec.text_dim)
+    vision.save_pretrained(path / "vision")
+    llm.save(path / "llm")
+    connector.save(path / "connector")
+    return path
+
+
+def dataclasses_replace(spec: ModelConfig, **changes: object) -> ModelConfig:
+    """``spec`` with ``changes`` (validated again)."""
+    import dataclasses
+
+    return dataclasses.replace(spec, **changes)  # type: ignore[arg-type]
+
+
 def save_tiny_wan_pipeline(spec: ModelConfig, texts: Sequence[str], path: str | Path, *, seed: int) -> Path:
     """Build and ``save_pretrained`` a tiny pipeline into ``path`` (the WanPipeline layout)."""
     path = Path(path)

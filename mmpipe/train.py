@@ -1,4 +1,4 @@
-"""``mmpipe train`` on one process: the text-to-video graph trained with flow matching.
+"""``mmpipe train``: a training graph (text-to-video, or understand-then-generate) on local ranks.
 
 Every micro-batch's inputs (which samples, which noise, which timestep) are a pure function of
 ``(train.seed, step, micro-batch)``, never of a running RNG, so a resumed run and an uninterrupted
@@ -20,22 +20,25 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 import yaml
+from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 from torch.utils.data import Subset
 from tqdm.auto import tqdm
+from transformers import AutoTokenizer
 
 from mmpipe.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from mmpipe.config import DataConfig, ModelConfig, RunConfig, from_dict, to_dict
 from mmpipe.data import FolderVideoDataset, MovingShapesDataset, caption_vocabulary
 from mmpipe.graph import Graph
-from mmpipe.pipelines import T2V_TRAIN_STAGES, build_t2v_training_graph
-from mmpipe.presets import save_tiny_wan_pipeline
+from mmpipe.pipelines import T2V_TRAIN_STAGES, U2G_TRAIN_STAGES, build_t2v_training_graph, build_u2g_training_graph
+from mmpipe.presets import VISION_IMAGE_SIZE, save_tiny_u2g_pipeline, save_tiny_wan_pipeline
 from mmpipe.runtime.events import EventRecorder
 from mmpipe.runtime.executor import Executor, OptionsFn, StageOptim
 from mmpipe.runtime.mesh import MeshOwner
 from mmpipe.sched.plan import DeviceGroup, Plan, PlanError, parse_placement
 from mmpipe.sched.schedule import ScheduleKind, build_plan
-from mmpipe.stages import TextEncoderStage
+from mmpipe.stages.text import tokenize
 
 logger = logging.getLogger(__name__)
 
@@ -110,19 +113,43 @@ def sample_indices(step: int, batch_size: int, n: int, seed: int) -> list[int]:
     return out
 
 
-def collate(text: TextEncoderStage, samples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
-    """Graph inputs of a micro-batch: tokenised captions and stacked videos."""
-    tokens = text.tokenize([s["caption"] for s in samples])
-    return {**tokens, "video": torch.stack([s["video"] for s in samples])}
+def training_stages(model: ModelConfig) -> tuple[str, ...]:
+    """The stage names of the model's training graph (placements must name exactly these)."""
+    return U2G_TRAIN_STAGES if model.kind == "u2g" else T2V_TRAIN_STAGES
+
+
+def build_training_graph(model: ModelConfig, pipe_dir: Path) -> Graph:
+    """The training graph of ``model.kind`` over a pipeline directory."""
+    build = build_u2g_training_graph if model.kind == "u2g" else build_t2v_training_graph
+    return build(pipe_dir, text_len=model.text_len)
+
+
+class Collator:
+    """Samples -> the graph inputs of a micro-batch: tokens, videos and (u2g) the conditioning image."""
+
+    def __init__(self, graph: Graph, pipe_dir: Path, text_len: int) -> None:
+        self.tokenizer = AutoTokenizer.from_pretrained(pipe_dir / "tokenizer")
+        self.clean = prompt_clean if "text" in graph.stages else None
+        self.text_len = text_len
+        self.image = "pixel_values" in graph.input_specs
+
+    def __call__(self, samples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+        tokens = tokenize(self.tokenizer, [s["caption"] for s in samples], max_length=self.text_len, clean=self.clean)
+        video_B3THW = torch.stack([s["video"] for s in samples])
+        out = {**tokens, "video": video_B3THW}
+        if self.image:  # the first frame, at the vision tower's resolution
+            size = (VISION_IMAGE_SIZE, VISION_IMAGE_SIZE)
+            out["pixel_values"] = F.interpolate(video_B3THW[:, :, 0], size=size, mode="bilinear", antialias=True)
+        return out
 
 
 def micro_batches(
-    dataset: SizedDataset, indices: list[int], n_micro: int, text: TextEncoderStage
+    dataset: SizedDataset, indices: list[int], n_micro: int, collate: Collator
 ) -> Iterator[dict[str, torch.Tensor]]:
     """Split ``indices`` into ``n_micro`` equal micro-batches of graph inputs."""
     size = len(indices) // n_micro
     for m in range(n_micro):
-        yield collate(text, [dataset[i] for i in indices[m * size : (m + 1) * size]])
+        yield collate([dataset[i] for i in indices[m * size : (m + 1) * size]])
 
 
 def micro_batch_seed(seed: int, step: int, micro: int) -> int:
@@ -144,12 +171,11 @@ def check_placement(cfg: RunConfig) -> None:
     if not cfg.placement:
         return
     placement = parse_placement(cfg.placement)
-    unknown = sorted(set(placement) - set(T2V_TRAIN_STAGES))
-    missing = sorted(set(T2V_TRAIN_STAGES) - set(placement))
+    names = training_stages(cfg.model)
+    unknown = sorted(set(placement) - set(names))
+    missing = sorted(set(names) - set(placement))
     if unknown or missing:
-        raise PlanError(
-            f"placement: unknown stages {unknown}, unplaced stages {missing}; stages: {list(T2V_TRAIN_STAGES)}"
-        )
+        raise PlanError(f"placement: unknown stages {unknown}, unplaced stages {missing}; stages: {list(names)}")
     for stage, group in placement.items():
         bad = [r for r in group.ranks if not 0 <= r < cfg.launch.nproc]
         if bad:
@@ -188,8 +214,9 @@ def prepare_run(cfg: RunConfig) -> tuple[Path, Graph]:
     (run_dir / CONFIG_FILE).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     pipe_dir = pipeline_dir(cfg.model, run_dir)
     if cfg.model.path is None and not (pipe_dir / "model_index.json").is_file():
-        save_tiny_wan_pipeline(cfg.model, vocabulary(train_set), pipe_dir, seed=cfg.train.seed)
-    return run_dir, build_t2v_training_graph(pipe_dir, text_len=cfg.model.text_len)
+        save = save_tiny_u2g_pipeline if cfg.model.kind == "u2g" else save_tiny_wan_pipeline
+        save(cfg.model, vocabulary(train_set), pipe_dir, seed=cfg.train.seed)
+    return run_dir, build_training_graph(cfg.model, pipe_dir)
 
 
 def train(cfg: RunConfig) -> TrainResult:
@@ -226,11 +253,9 @@ class _Loop:
         for s in self.executor.optimizers:
             self.executor.modules[s].train()
         self.train_set, val_set = build_datasets(cfg.data)
-        text = graph.stages["text"]
-        assert isinstance(text, TextEncoderStage)
-        self.text = text
+        self.collate = Collator(graph, pipeline_dir(cfg.model, self.run_dir), cfg.model.text_len)
         n_val = len(val_set) // self.micro_size * self.micro_size
-        val_mbs = list(micro_batches(val_set, list(range(n_val)), n_val // self.micro_size, text))
+        val_mbs = list(micro_batches(val_set, list(range(n_val)), n_val // self.micro_size, self.collate))
         self.val_batches = val_mbs
         self.trainable = sorted(self.train_plan.trainable)
 
@@ -249,7 +274,7 @@ class _Loop:
         tc = self.cfg.train
         indices = sample_indices(step, tc.batch_size, len(self.train_set), self.cfg.data.seed)
         size = self.micro_size
-        return lambda mb: collate(self.text, [self.train_set[i] for i in indices[mb * size : (mb + 1) * size]])
+        return lambda mb: self.collate([self.train_set[i] for i in indices[mb * size : (mb + 1) * size]])
 
     def reduce(self, local: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
         """Sum a metrics vector over ranks (each value is owned by one rank, the others add 0)."""

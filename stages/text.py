@@ -20,6 +20,29 @@ from mmpipe.graph import TensorSpec
 from mmpipe.stages._source import ModuleSource, SourcedStage
 
 
+def tokenize(
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Sequence[str],
+    *,
+    max_length: int,
+    clean: Callable[[str], str] | None = None,
+) -> dict[str, torch.Tensor]:
+    """``input_ids`` and ``attention_mask`` (int64, ``(B, max_length)``), padded like the diffusers pipelines."""
+    if isinstance(prompts, str):
+        raise ValueError("tokenize expects a list of prompts, got a single string")
+    texts = [clean(p) if clean else p for p in prompts]
+    enc = tokenizer(
+        texts,
+        padding="max_length",
+        max_length=max_length,
+        truncation=True,
+        add_special_tokens=True,
+        return_attention_mask=True,
+        return_tensors="pt",
+    )
+    return {"input_ids": enc.input_ids.long(), "attention_mask": enc.attention_mask.long()}
+
+
 class TextEncoderStage(SourcedStage):
     """Common ports and tokenisation of text encoders: ``input_ids, attention_mask -> context``."""
 
@@ -61,19 +84,7 @@ class TextEncoderStage(SourcedStage):
 
     def tokenize(self, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
         """Pad / truncate prompts to ``max_length`` tokens, as the diffusers pipelines do."""
-        if isinstance(prompts, str):
-            raise ValueError("tokenize expects a list of prompts, got a single string")
-        texts = [self.clean(p) if self.clean else p for p in prompts]
-        enc = self.tokenizer(
-            texts,
-            padding="max_length",
-            max_length=self.max_length,
-            truncation=True,
-            add_special_tokens=True,
-            return_attention_mask=True,
-            return_tensors="pt",
-        )
-        return {"input_ids": enc.input_ids.long(), "attention_mask": enc.attention_mask.long()}
+        return tokenize(self.tokenizer, prompts, max_length=self.max_length, clean=self.clean)
 
     def forward(self, module: nn.Module, inputs: Mapping[str, Any], **options: Any) -> dict[str, Any]:
         out = {"context": self._encode(module, inputs["input_ids"], inputs["attention_mask"])}

@@ -77,6 +77,11 @@ class Executor:
         self.modules: dict[str, nn.Module] = {s: self._build(s) for s in self.local}
         self._port_edges = [e for e in graph.edges if e.src != INPUT]
         self._tags = {pair: i for i, pair in enumerate(graph.stage_edges())}
+        # Output ports that carry gradients: declared floating point, or of unspecified dtype.
+        self._float_ports = {
+            name: {p for p, spec in st.outputs.items() if spec.dtype is None or spec.dtype.is_floating_point}
+            for name, st in graph.stages.items()
+        }
 
     def _build(self, stage: str) -> nn.Module:
         # Order of parallelisms (DESIGN.md): sequence parallel -> activation policy -> compile -> FSDP2.
@@ -141,7 +146,7 @@ class Executor:
                 inputs[e.dst_port] = st.batch(mb, batch_fn)[e.src_port][lo:hi]
                 continue
             x = self._edge_value(e.src, stage, e.src_port, mb, st)
-            if wants_grad and e.src in self.plan.backward:
+            if wants_grad and e.src in self.plan.backward and x.is_floating_point():
                 x = x.detach().requires_grad_(True)
             inputs[e.dst_port] = x
         with torch.set_grad_enabled(wants_grad):
@@ -177,10 +182,10 @@ class Executor:
             torch.autograd.backward([out[p] for p in ports], [grads[p] for p in ports])
         inputs = st.inputs.pop((stage, mb))
         for e in self.graph.producers(stage):
-            if e.src == INPUT or e.src not in self.plan.backward or inputs[e.dst_port].grad is None:
+            x = inputs[e.dst_port]
+            if e.src == INPUT or e.src not in self.plan.backward or not x.is_floating_point():
                 continue
-            grad = inputs[e.dst_port].grad
-            assert grad is not None
+            grad = x.grad if x.grad is not None else torch.zeros_like(x)  # an input the stage did not use
             if self.rank in self.groups[e.src].ranks:
                 self._accumulate(e.src, e.src_port, stage, mb, self.rank, grad, st)
             st.pending_grads[(e.src, stage, mb)][e.src_port] = grad
@@ -211,12 +216,17 @@ class Executor:
         return float(norm)
 
     # ---- transfers ------------------------------------------------------------------------------
-    def _edge_ports(self, src: str, dst: str) -> list[tuple[str, str]]:
-        return sorted((e.src_port, e.dst_port) for e in self._port_edges if (e.src, e.dst) == (src, dst))
+    def _edge_ports(self, src: str, dst: str, *, grad: bool = False) -> list[tuple[str, str]]:
+        """The ports of the ``src -> dst`` bundle; gradients travel only for floating-point ports."""
+        ports = sorted((e.src_port, e.dst_port) for e in self._port_edges if (e.src, e.dst) == (src, dst))
+        if grad:
+            float_ports = self._float_ports[src]
+            ports = [(sp, dp) for sp, dp in ports if sp in float_ports]
+        return ports
 
     def _send(self, a: Action, st: _StepState, *, grad: bool) -> int:
         assert a.dst is not None and a.peer is not None and a.mb is not None
-        ports = self._edge_ports(a.stage, a.dst)
+        ports = self._edge_ports(a.stage, a.dst, grad=grad)
         if grad:  # this rank holds a.dst; the peer holds a.stage
             lo, hi = self.rows(a.dst)
             plo, phi = self.rows(a.stage, a.peer)
@@ -244,7 +254,7 @@ class Executor:
 
     def _recv(self, a: Action, st: _StepState, *, grad: bool) -> int:
         assert a.dst is not None and a.peer is not None and a.mb is not None
-        ports = self._edge_ports(a.stage, a.dst)
+        ports = self._edge_ports(a.stage, a.dst, grad=grad)
         tensors = recv_tensors(a.peer, self._tag(a.stage, a.dst, grad), len(ports))
         if grad:
             for (sp, _), g in zip(ports, tensors, strict=True):

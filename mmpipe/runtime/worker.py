@@ -14,9 +14,8 @@ from mmpipe.config import RunConfig, from_dict
 
 def run(raw: dict[str, Any]) -> None:
     """Worker body: ``raw`` is a ``RunConfig`` as a dict (picklable across the spawn)."""
-    from mmpipe.pipelines import build_t2v_training_graph
     from mmpipe.runtime.mesh import init_distributed
-    from mmpipe.train import pipeline_dir, run_rank
+    from mmpipe.train import build_training_graph, pipeline_dir, run_rank
 
     cfg = from_dict(RunConfig, raw)
     assert cfg.run_dir is not None
@@ -26,7 +25,7 @@ def run(raw: dict[str, Any]) -> None:
         raise ValueError(f"launched with world size {world} but launch.nproc={cfg.launch.nproc}")
     if not cfg.train.threads:
         cfg.train.threads = max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-    graph = build_t2v_training_graph(pipeline_dir(cfg.model, _path(cfg.run_dir)), text_len=cfg.model.text_len)
+    graph = build_training_graph(cfg.model, pipeline_dir(cfg.model, _path(cfg.run_dir)))
     try:
         run_rank(cfg, graph, rank=rank, world_size=world)
     finally:
