@@ -88,6 +88,8 @@ class Executor:
         module = self.graph.stages[stage].module
         mesh = self.mesh.dp_mesh(stage)
         if mesh is not None and not self.graph.stages[stage].frozen:
+            # FSDP2 averages gradients over the group (gloo has no pre-scaled sum); _backward
+            # seeds each rank's backward dp times its share so that the average is the sum.
             fully_shard(module, mesh=mesh)
         return module
 
@@ -174,18 +176,25 @@ class Executor:
 
     def _backward(self, stage: str, mb: int, st: _StepState) -> None:
         out = st.outputs[(stage, mb)]
+        dp = self.groups[stage].dp
+        # Seed the backward with dp x this rank's share of d(loss): FSDP2's average over the group
+        # then yields the sum of the shares; the input gradients are scaled back by 1/dp below.
         if not any(c in self.plan.backward for c in self.plan.consumers(stage)):
+            # a loss stage: its slice's mean loss is dp x (rows / batch) = 1 times its share
             (out["loss"] / self.plan.micro_batches).backward()
         else:
             grads = st.grads.pop((stage, mb), {})
             ports = [p for p in grads if out[p].requires_grad]
-            torch.autograd.backward([out[p] for p in ports], [grads[p] for p in ports])
+            seeds = [grads[p] * dp if dp > 1 else grads[p] for p in ports]
+            torch.autograd.backward([out[p] for p in ports], seeds)
         inputs = st.inputs.pop((stage, mb))
         for e in self.graph.producers(stage):
             x = inputs[e.dst_port]
             if e.src == INPUT or e.src not in self.plan.backward or not x.is_floating_point():
                 continue
             grad = x.grad if x.grad is not None else torch.zeros_like(x)  # an input the stage did not use
+            if dp > 1:
+                grad = grad / dp
             if self.rank in self.groups[e.src].ranks:
                 self._accumulate(e.src, e.src_port, stage, mb, self.rank, grad, st)
             st.pending_grads[(e.src, stage, mb)][e.src_port] = grad
