@@ -56,7 +56,8 @@ class ImageTextLM(nn.Module):
     def __init__(self, lm: nn.Module, vision_width: int) -> None:
         super().__init__()
         self.lm = lm
-        self.projector = nn.Linear(vision_width, lm.config.hidden_size)
+        config: Any = lm.config
+        self.projector = nn.Linear(vision_width, config.hidden_size)
 
     def save(self, path: Path) -> None:
         """``path/lm`` (``save_pretrained``) and ``path/projector.safetensors``."""
