@@ -212,6 +212,11 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
 
 
 def _type_name(tp: Any) -> str:
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and len(args) == 1:
+        return f"{_type_name(args[0])} or null"
+    if typing.get_origin(tp) is dict:
+        return "a mapping"
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
