@@ -90,3 +90,11 @@ def load_checkpoint(path: Path, modules: Mapping[str, nn.Module], optims: Mappin
         set_state_dict(module, optim.optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
         optim.lr_scheduler.load_state_dict(loaded["lr_sched"])
     return int(state["step"])
+
+
+def load_latest_weights(run_dir: Path, modules: Mapping[str, nn.Module]) -> int:
+    """Load the stages in ``modules`` from ``run_dir``'s newest checkpoint (weights only); the step."""
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is None:
+        raise ValueError(f"run {str(run_dir)!r} has no checkpoint yet")
+    return load_checkpoint(ckpt, modules, {})

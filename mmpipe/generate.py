@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from mmpipe.checkpoint import latest_checkpoint, load_checkpoint
+from mmpipe.checkpoint import load_latest_weights
 from mmpipe.config import GenerateConfig
 from mmpipe.data import frames_to_uint8, write_gif, write_mp4
 from mmpipe.pipelines import T2VGraph, from_diffusers
@@ -18,11 +18,8 @@ def load_trained_graph(run_dir: Path) -> T2VGraph:
     """The run's inference graph with the DiT weights of its latest checkpoint."""
     cfg = load_run_config(run_dir)
     graph = from_diffusers(pipeline_dir(cfg.model, run_dir), max_sequence_length=cfg.model.text_len)
-    ckpt = latest_checkpoint(run_dir)
-    if ckpt is None:
-        raise ValueError(f"run {str(run_dir)!r} has no checkpoint yet")
     # The training graph's DiT stage is named "dit"; its weights become the denoiser's.
-    load_checkpoint(ckpt, {"dit": graph.denoise.module}, {})
+    load_latest_weights(run_dir, {"dit": graph.denoise.module})
     return graph
 
 

@@ -7,6 +7,7 @@ are float tensors of shape ``(3, T, H, W)`` in ``[-1, 1]``.
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 from fractions import Fraction
 from pathlib import Path
 
@@ -60,6 +61,22 @@ def _require_file(path: Path) -> None:
         raise FileNotFoundError(f"video file not found: {path}")
 
 
+def _decode(path: Path, limit: int | None) -> Iterator[av.VideoFrame]:
+    """The first video stream's frames (at most ``limit``); FFmpeg errors become ``ValueError``."""
+    try:
+        with av.open(str(path)) as container:
+            if not container.streams.video:
+                raise ValueError(f"no video stream in {path}")
+            stream = container.streams.video[0]
+            stream.thread_type = "AUTO"
+            for i, frame in enumerate(container.decode(stream)):
+                if limit is not None and i >= limit:
+                    break
+                yield frame
+    except av.FFmpegError as err:
+        raise ValueError(f"cannot decode video {path}: {err}") from err
+
+
 def read_video(path: str | Path, max_frames: int | None = None) -> np.ndarray:
     """Decode the first video stream of ``path`` into RGB frames.
 
@@ -77,19 +94,7 @@ def read_video(path: str | Path, max_frames: int | None = None) -> np.ndarray:
     path = Path(path)
     limit = _check_max_frames(max_frames)
     _require_file(path)
-    frames: list[np.ndarray] = []
-    try:
-        with av.open(str(path)) as container:
-            if not container.streams.video:
-                raise ValueError(f"no video stream in {path}")
-            stream = container.streams.video[0]
-            stream.thread_type = "AUTO"
-            for frame in container.decode(stream):
-                frames.append(frame.to_ndarray(format="rgb24"))
-                if limit is not None and len(frames) >= limit:
-                    break
-    except av.FFmpegError as err:
-        raise ValueError(f"cannot decode video {path}: {err}") from err
+    frames = [frame.to_ndarray(format="rgb24") for frame in _decode(path, limit)]
     if not frames:
         raise ValueError(f"no frames decoded from video {path}")
     try:
@@ -111,18 +116,7 @@ def count_frames(path: str | Path, max_frames: int | None = None) -> int:
     path = Path(path)
     limit = _check_max_frames(max_frames)
     _require_file(path)
-    count = 0
-    try:
-        with av.open(str(path)) as container:
-            if not container.streams.video:
-                raise ValueError(f"no video stream in {path}")
-            for _ in container.decode(container.streams.video[0]):
-                count += 1
-                if limit is not None and count >= limit:
-                    break
-    except av.FFmpegError as err:
-        raise ValueError(f"cannot decode video {path}: {err}") from err
-    return count
+    return sum(1 for _ in _decode(path, limit))
 
 
 @functools.cache

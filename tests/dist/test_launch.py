@@ -14,7 +14,7 @@ import psutil
 import torch
 from diffusers import WanTransformer3DModel
 
-from mmpipe.checkpoint import latest_checkpoint, load_checkpoint
+from mmpipe.checkpoint import latest_checkpoint, load_latest_weights
 from mmpipe.runtime.events import read_events
 from mmpipe.runtime.launch import free_port
 from mmpipe.train import read_metrics
@@ -41,9 +41,7 @@ def cli(*args: str) -> list[str]:
 
 def dit_params(run_dir: Path) -> dict[str, torch.Tensor]:
     model = WanTransformer3DModel.from_pretrained(run_dir / "pipeline" / "transformer")
-    ckpt = latest_checkpoint(run_dir)
-    assert ckpt is not None
-    load_checkpoint(ckpt, {"dit": model}, {})
+    load_latest_weights(run_dir, {"dit": model})
     return model.state_dict()
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from diffusers import WanTransformer3DModel
 
-from mmpipe.checkpoint import latest_checkpoint, load_checkpoint
+from mmpipe.checkpoint import latest_checkpoint, load_latest_weights
 from mmpipe.config import DataConfig, LaunchConfig, RunConfig, TrainConfig
 from mmpipe.runtime.events import read_events
 from mmpipe.train import read_metrics, train
@@ -38,9 +38,7 @@ def run(run_dir: Path, nproc: int, placement: dict) -> RunConfig:
 
 def dit_params(run_dir: Path) -> dict[str, torch.Tensor]:
     model = WanTransformer3DModel.from_pretrained(run_dir / "pipeline" / "transformer")
-    ckpt = latest_checkpoint(run_dir)
-    assert ckpt is not None
-    load_checkpoint(ckpt, {"dit": model}, {})
+    load_latest_weights(run_dir, {"dit": model})
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
@@ -98,9 +96,7 @@ def u2g_params(run_dir: Path) -> dict[str, torch.Tensor]:
         "connector": Connector.load(root / "connector"),
         "dit": WanTransformer3DModel.from_pretrained(root / "transformer"),
     }
-    ckpt = latest_checkpoint(run_dir)
-    assert ckpt is not None
-    load_checkpoint(ckpt, modules, {})
+    load_latest_weights(run_dir, modules)
     return {f"{s}.{k}": v.clone() for s, m in modules.items() for k, v in m.state_dict().items()}
 
 

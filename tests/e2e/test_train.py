@@ -10,7 +10,7 @@ import pytest
 import torch
 from diffusers import WanTransformer3DModel
 
-from mmpipe.checkpoint import latest_checkpoint, load_checkpoint
+from mmpipe.checkpoint import latest_checkpoint, load_latest_weights
 from mmpipe.config import DataConfig, ModelConfig, RunConfig, TrainConfig
 from mmpipe.data import write_mp4
 from mmpipe.train import read_metrics, train
@@ -26,9 +26,7 @@ def small_run(run_dir: Path, **train_kw: object) -> RunConfig:
 
 def dit_params(run_dir: Path) -> dict[str, torch.Tensor]:
     model = WanTransformer3DModel.from_pretrained(run_dir / "pipeline" / "transformer")
-    ckpt = latest_checkpoint(run_dir)
-    assert ckpt is not None
-    load_checkpoint(ckpt, {"dit": model}, {})
+    load_latest_weights(run_dir, {"dit": model})
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
