@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -134,3 +135,37 @@ def test_dataclass_is_frozen() -> None:
     plan = build_plan(fanout_graph(), parse_placement({"enc": [0], "a": [0], "b": [0]}), 1, world_size=1)
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.micro_batches = 3  # type: ignore[misc]
+
+
+def _stalled_worker(rank: int, port: int, out: Any) -> None:
+    import datetime
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=3))
+    graph = fanout_graph()
+    plan = build_plan(graph, parse_placement({"enc": [0], "a": [1], "b": [1]}), MICRO, world_size=2)
+    executor = Executor(graph, plan, MeshOwner(plan, rank, 2), batch_size=ROWS)
+    if rank == 0:  # rank 0 never sends: rank 1's first receive must time out, not hang
+        out.put((rank, "idle"))
+        time.sleep(8)
+        return
+    try:
+        executor.run(plan.actions[rank], micro_batch, lambda stage, mb, rows: {})
+        out.put((rank, "finished"))
+    except Exception as err:  # the error a user sees
+        out.put((rank, str(err)))
+
+
+def test_a_missing_peer_becomes_an_error_with_the_plan_table() -> None:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_stalled_worker, args=(r, port, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    messages = dict(queue.get(timeout=60) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+    text = messages[1]
+    assert "rank 1 failed at step 0 (enc->a:RECV:mb0@r0)" in text
+    assert "<-- ERROR HERE (rank 1)" in text
