@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from mmpipe.graph import INPUT, Graph
 from mmpipe.runtime.events import EventRecorder
@@ -106,6 +106,9 @@ class Executor:
         ``flush=False`` returns with sends still in flight (bounded by ``max_inflight_sends``).
         """
         state = _StepState()
+        for a in actions:  # the pass's last backward of each stage reduces its gradients
+            if a.kind == ActionKind.B:
+                state.last_backward[a.stage] = _mb(a)
         for i, action in enumerate(actions):
             start = time.perf_counter()
             try:
@@ -177,6 +180,10 @@ class Executor:
     def _backward(self, stage: str, mb: int, st: _StepState) -> None:
         out = st.outputs[(stage, mb)]
         dp = self.groups[stage].dp
+        module = self.modules[stage]
+        if isinstance(module, FSDPModule):
+            # Accumulate unreduced gradients and reduce-scatter once, in the last micro-batch's backward.
+            module.set_requires_gradient_sync(mb == st.last_backward[stage])
         # Seed the backward with dp x this rank's share of d(loss): FSDP2's average over the group
         # then yields the sum of the shares; the input gradients are scaled back by 1/dp below.
         if not any(c in self.plan.backward for c in self.plan.consumers(stage)):
@@ -297,6 +304,7 @@ class _StepState:
     )
     loss: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros(()))
     grad_norms: dict[str, float] = dataclasses.field(default_factory=dict)
+    last_backward: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def batch(self, mb: int, batch_fn: BatchFn) -> dict[str, torch.Tensor]:
         if mb not in self.batches:

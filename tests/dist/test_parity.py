@@ -14,16 +14,17 @@ import torch
 from diffusers import WanTransformer3DModel
 
 from mmpipe.checkpoint import latest_checkpoint, load_latest_weights
-from mmpipe.config import DataConfig, LaunchConfig, RunConfig, TrainConfig
+from mmpipe.config import DataConfig, LaunchConfig, ModelConfig, RunConfig, TrainConfig
 from mmpipe.runtime.events import read_events
 from mmpipe.train import read_metrics, train
 
 STEPS = 3
 
 
-def run(run_dir: Path, nproc: int, placement: dict) -> RunConfig:
+def run(run_dir: Path, nproc: int, placement: dict | None, model: ModelConfig | None = None) -> RunConfig:
     cfg = RunConfig(
         run_dir=str(run_dir),
+        model=model or ModelConfig(),
         data=DataConfig(frames=9, height=32, width=32, num_samples=64, val_samples=4),
         train=TrainConfig(
             steps=STEPS, batch_size=4, micro_batches=2, warmup_steps=1, log_every=1, val_every=1000,
@@ -103,25 +104,9 @@ def u2g_params(run_dir: Path) -> dict[str, torch.Tensor]:
 def test_understand_then_generate_over_three_ranks_is_bitwise_identical(tmp_path: Path) -> None:
     """Frozen vision tower on rank 0, trainable LLM + connector on rank 1, trainable DiT on rank 2:
     the DiT's context gradients cross to rank 1, the LLM's from the connector stay local."""
-    from mmpipe.config import ModelConfig
-
-    def u2g(run_dir: Path, nproc: int, placement: dict | None) -> None:
-        train(
-            RunConfig(
-                run_dir=str(run_dir),
-                model=ModelConfig(name="u2g_tiny", kind="u2g", text_encoder="qwen2"),
-                data=DataConfig(frames=9, height=32, width=32, num_samples=64, val_samples=4),
-                train=TrainConfig(
-                    steps=STEPS, batch_size=4, micro_batches=2, warmup_steps=1, log_every=1, val_every=1000,
-                    ckpt_every=STEPS, progress=False, threads=1,
-                ),
-                launch=LaunchConfig(nproc=nproc, timeout_s=120),
-                placement=placement,
-            )
-        )
-
-    u2g(tmp_path / "ref", 1, None)
-    u2g(tmp_path / "pp", 3, {"vision": [0], "vae": [0], "llm": [1], "connector": [1], "dit": [2]})
+    u2g = ModelConfig(name="u2g_tiny", kind="u2g", text_encoder="qwen2")
+    run(tmp_path / "ref", 1, None, u2g)
+    run(tmp_path / "pp", 3, {"vision": [0], "vae": [0], "llm": [1], "connector": [1], "dit": [2]}, u2g)
     ref, got = read_metrics(tmp_path / "ref"), read_metrics(tmp_path / "pp")
     for r, g in zip(ref, got, strict=True):  # every logged loss, gradient norm and lr, bit for bit
         r.pop("samples_per_s", None), g.pop("samples_per_s", None)
