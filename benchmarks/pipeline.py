@@ -22,9 +22,9 @@ from pathlib import Path
 
 from mmpipe.config import DataConfig, LaunchConfig, RunConfig, TrainConfig
 from mmpipe.runtime.events import read_events
+from mmpipe.sched.simulator import bubble_fractions
 from mmpipe.train import read_metrics, train
 
-COMPUTE = {"F", "B", "STEP"}
 # The VAE encode costs about what the DiT's forward + backward does at the embedded sizes, and the
 # text encoder little: "balanced" gives each rank half the work.
 PLACEMENTS = {
@@ -63,11 +63,7 @@ def measure(
     events = [e for e in read_events(run_dir) if e["phase"] == "train" and e["step"] > warmup]
     start, end = min(e["start"] for e in events), max(e["end"] for e in events)
     measured = steps - warmup
-    bubble = {}
-    for rank in sorted({e["rank"] for e in events}):
-        mine = [e for e in events if e["rank"] == rank]
-        busy = sum(e["end"] - e["start"] for e in mine if e["kind"] in COMPUTE)
-        bubble[str(rank)] = round(1 - busy / (end - start), 4)
+    bubble = {str(r): round(b, 4) for r, b in bubble_fractions(events, first_step=warmup + 1).items()}
     losses = [r["loss"] for r in read_metrics(run_dir) if "loss" in r]
     return {"samples_per_s": measured * batch / (end - start), "bubble": bubble, "final_loss": losses[-1]}
 
