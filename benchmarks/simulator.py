@@ -13,7 +13,7 @@ from pathlib import Path
 
 from mmpipe.config import DataConfig, LaunchConfig, RunConfig, TrainConfig
 from mmpipe.runtime.events import read_events
-from mmpipe.sched.simulator import bubble_fractions, calibrate, simulate
+from mmpipe.sched.simulator import bubble_fractions, calibrate, measured_step_time, simulate
 from mmpipe.train import build_training_graph, make_plans, pipeline_dir, train
 
 CASES = {
@@ -42,11 +42,7 @@ def compare(run_dir: Path, nproc: int, placement: dict | None, steps: int, warmu
     )
     train(cfg)
     events = read_events(run_dir)
-    step_end: dict[int, float] = {}
-    for e in events:
-        if e["phase"] == "train":
-            step_end[e["step"]] = max(step_end.get(e["step"], 0.0), e["end"])
-    measured = (step_end[steps] - step_end[warmup]) / (steps - warmup)
+    measured = measured_step_time(events, first_step=warmup, last_step=steps)
     plan, _ = make_plans(build_training_graph(cfg.model, pipeline_dir(cfg.model, run_dir)), cfg)
     sim = simulate(plan, calibrate(events, first_step=warmup + 1), steps=5)
     return {

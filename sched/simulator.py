@@ -125,6 +125,15 @@ def bubble_fractions(events: Iterable[Mapping[str, Any]], *, first_step: int = 1
     return {r: 1 - busy[r] / (end - start) for r in sorted({e["rank"] for e in steady})}
 
 
+def measured_step_time(events: Iterable[Mapping[str, Any]], *, first_step: int, last_step: int) -> float:
+    """Seconds per training step between the ends of ``first_step`` and ``last_step`` (any rank)."""
+    end: dict[int, float] = defaultdict(float)
+    for e in events:
+        if e["phase"] == "train":
+            end[e["step"]] = max(end[e["step"]], e["end"])
+    return (end[last_step] - end[first_step]) / (last_step - first_step)
+
+
 def calibrate(events: Iterable[Mapping[str, Any]], *, first_step: int = 2) -> CostFn:
     """A cost function from measured events: the median duration per (stage, kind) for compute
     actions and per (edge, kind) for sends; receives cost nothing of their own (they wait)."""

@@ -9,7 +9,7 @@ import pytest
 
 from mmpipe.config import DataConfig, LaunchConfig, RunConfig, TrainConfig
 from mmpipe.runtime.events import read_events
-from mmpipe.sched.simulator import calibrate, simulate
+from mmpipe.sched.simulator import calibrate, measured_step_time, simulate
 from mmpipe.train import build_training_graph, make_plans, pipeline_dir, train
 
 STEPS = 8
@@ -33,11 +33,7 @@ def test_predicted_step_time_matches_measured(tmp_path: Path, nproc: int, placem
     )
     train(cfg)
     events = read_events(tmp_path)
-    step_end: dict[int, float] = {}
-    for e in events:
-        if e["phase"] == "train":
-            step_end[e["step"]] = max(step_end.get(e["step"], 0.0), e["end"])
-    measured = (step_end[STEPS] - step_end[3]) / (STEPS - 3)
+    measured = measured_step_time(events, first_step=3, last_step=STEPS)
     plan, _ = make_plans(build_training_graph(cfg.model, pipeline_dir(cfg.model, tmp_path)), cfg)
     predicted = simulate(plan, calibrate(events, first_step=4), steps=5).step_time
     assert predicted == pytest.approx(measured, rel=0.2), (predicted, measured)
