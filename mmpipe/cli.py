@@ -86,6 +86,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (HydraException, OmegaConfBaseException, ValueError) as err:
         print(f"mmpipe {command}: error: {_first_line(err)}", file=sys.stderr)
         return 2
+    except RuntimeError as err:
+        from mmpipe.runtime.executor import ExecutionError
+        from mmpipe.runtime.launch import WorkerFailure
+
+        if not isinstance(err, WorkerFailure | ExecutionError):
+            raise
+        print(f"mmpipe {command}: {err}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -10,6 +10,7 @@ resume from the last checkpoint). Across machines, run the same worker module un
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import uuid
@@ -21,6 +22,10 @@ from torch.distributed.launcher.api import elastic_launch
 from mmpipe.config import RunConfig, to_dict
 
 _OWN_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+
+class WorkerFailure(RuntimeError):
+    """A launched worker died or raised; the message is the first failure's (with its plan table)."""
 
 
 def free_port() -> int:
@@ -54,7 +59,9 @@ def launch_local(cfg: RunConfig) -> None:
     try:
         elastic_launch(elastic, run)(to_dict(cfg))
     except ChildFailedError as err:
-        raise RuntimeError(f"training workers failed: {err}") from None
+        rank, failure = err.get_first_failure()
+        message = failure.message if isinstance(failure.message, str) else json.dumps(failure.message)
+        raise WorkerFailure(f"training worker rank {rank} failed (exit code {failure.exitcode}): {message}") from None
     finally:
         if saved is None:
             os.environ.pop(_OWN_STORE, None)

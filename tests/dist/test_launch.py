@@ -111,3 +111,21 @@ def test_two_nodes_on_localhost(tmp_path: Path) -> None:
     assert [n.returncode for n in nodes] == [0, 0], "\n".join(o[-2000:] for o in outs)
     assert {e["rank"] for e in read_events(run)} == {0, 1}
     assert [r["step"] for r in read_metrics(run)] == [0, 1, 2]
+
+
+def test_dead_worker_without_restarts_is_a_clean_error(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    proc = subprocess.Popen(
+        cli("train", f"run_dir={run}", "launch.nproc=2", PIPELINE, "train.steps=500", *SMALL),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    deadline = time.time() + 120
+    while time.time() < deadline and not (run / "metrics.jsonl").is_file():
+        time.sleep(0.05)
+    time.sleep(0.5)
+    victims = _worker_pids(proc.pid)
+    assert len(victims) == 2, victims
+    os.kill(victims[0], signal.SIGKILL)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1
+    assert "mmpipe train: training worker rank 0 failed (exit code -9): Signal 9 (SIGKILL)" in err
