@@ -150,3 +150,17 @@ def test_placement_config_errors() -> None:
         parse_placement({"dit": {"ranks": [1], "sp": 2}})
     with pytest.raises(PlanError, match="missing \\['vae'\\], unknown \\['vea'\\]"):
         build_plan(T2V, parse_placement({"text": [0], "vea": [0], "dit": [1]}), 2, world_size=2)
+
+
+def test_derived_placement_puts_frozen_stages_on_rank_0(tiny_wan_dir) -> None:
+    from mmpipe.config import LaunchConfig, RunConfig
+    from mmpipe.pipelines import build_t2v_training_graph
+    from mmpipe.train import make_plans
+
+    graph = build_t2v_training_graph(tiny_wan_dir, text_len=16)
+    one, _ = make_plans(graph, RunConfig(launch=LaunchConfig(nproc=1)))
+    assert {s: g.ranks for s, g in one.placement} == {"text": (0,), "vae": (0,), "dit": (0,)}
+    three, val = make_plans(graph, RunConfig(launch=LaunchConfig(nproc=3)))
+    assert {s: (g.ranks, g.dp) for s, g in three.placement} == {"text": ((0,), 1), "vae": ((0,), 1), "dit": ((1, 2), 2)}
+    assert not val.backward and not val.trainable  # the validation plan is forward-only
+    assert all(a.kind in (ActionKind.F, ActionKind.SEND, ActionKind.RECV) for acts in val.actions for a in acts)
