@@ -51,20 +51,18 @@ def build_text_stage(
     name: str, module_or_path: nn.Module | str | Path, tokenizer: Any, *, max_length: int, clean: bool = True
 ) -> TextEncoderStage:
     """A T5-family encoder (config with ``d_model``) or a causal LM used as a text encoder."""
-    stage_cls: type[TextEncoderStage]
-    if isinstance(module_or_path, nn.Module):
-        is_t5 = hasattr(module_or_path.config, "d_model")
-        stage_cls = T5TextEncoderStage if is_t5 else CausalLMTextEncoderStage
-        return stage_cls.from_module(
-            name, module_or_path, tokenizer, max_length=max_length, clean=prompt_clean if clean else None
-        )
     from transformers import AutoConfig
 
-    is_t5 = hasattr(AutoConfig.from_pretrained(module_or_path), "d_model")
-    stage_cls = T5TextEncoderStage if is_t5 else CausalLMTextEncoderStage
-    return stage_cls.from_pretrained(
-        name, module_or_path, tokenizer, max_length=max_length, clean=prompt_clean if clean else None
-    )
+    kw: dict[str, Any] = {"max_length": max_length, "clean": prompt_clean if clean else None}
+    if isinstance(module_or_path, nn.Module):
+        cls = _text_stage_class(module_or_path.config)
+        return cls.from_module(name, module_or_path, tokenizer, **kw)
+    cls = _text_stage_class(AutoConfig.from_pretrained(module_or_path))
+    return cls.from_pretrained(name, module_or_path, tokenizer, **kw)
+
+
+def _text_stage_class(config: Any) -> type[TextEncoderStage]:
+    return T5TextEncoderStage if hasattr(config, "d_model") else CausalLMTextEncoderStage
 
 
 class T2VGraph(Graph):

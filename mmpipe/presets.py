@@ -8,6 +8,7 @@ and ``from_diffusers`` all load it exactly as they would load a real checkpoint 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -128,19 +129,12 @@ def save_tiny_u2g_pipeline(spec: ModelConfig, texts: Sequence[str], path: str | 
                 patch_size=8,
             )
         )
-        llm = ImageTextLM(build_text_encoder(dataclasses_replace(spec, text_encoder="qwen2"), len(pipe.tokenizer)), 32)
+        llm = ImageTextLM(build_text_encoder(dataclasses.replace(spec, text_encoder="qwen2"), len(pipe.tokenizer)), 32)
         connector = Connector(spec.text_dim, spec.text_dim)
     vision.save_pretrained(path / "vision")
     llm.save(path / "llm")
     connector.save(path / "connector")
     return path
-
-
-def dataclasses_replace(spec: ModelConfig, **changes: object) -> ModelConfig:
-    """``spec`` with ``changes`` (validated again)."""
-    import dataclasses
-
-    return dataclasses.replace(spec, **changes)  # type: ignore[arg-type]
 
 
 def save_tiny_wan_pipeline(spec: ModelConfig, texts: Sequence[str], path: str | Path, *, seed: int) -> Path:

@@ -43,7 +43,9 @@ class ActionKind(enum.StrEnum):
     STEP = "STEP"
 
 
-TRANSFERS = (ActionKind.SEND, ActionKind.RECV, ActionKind.SEND_GRAD, ActionKind.RECV_GRAD)
+SENDS = (ActionKind.SEND, ActionKind.SEND_GRAD)
+RECVS = (ActionKind.RECV, ActionKind.RECV_GRAD)
+TRANSFERS = SENDS + RECVS
 
 _ACTION_RE = re.compile(
     r"^(?P<stage>[^:>\s-]+)(?:->(?P<dst>[^:\s]+))?:(?P<kind>[A-Z]+)(?::mb(?P<mb>\d+))?(?:@r(?P<peer>\d+))?$"
@@ -258,10 +260,10 @@ def _check_complete(plan: Plan) -> None:
 
 
 # ---- the dry run --------------------------------------------------------------------------------
-def _transfer_key(rank: int, a: Action) -> tuple:
+def transfer_key(rank: int, a: Action) -> tuple:
     """Identify a message from both ends: (kind of message, edge, mb, sender, receiver)."""
     grad = a.kind in (ActionKind.SEND_GRAD, ActionKind.RECV_GRAD)
-    sending = a.kind in (ActionKind.SEND, ActionKind.SEND_GRAD)
+    sending = a.kind in SENDS
     assert a.peer is not None
     src, dst = (rank, a.peer) if sending else (a.peer, rank)
     return ("G" if grad else "A", a.stage, a.dst, a.mb, src, dst)
@@ -269,12 +271,8 @@ def _transfer_key(rank: int, a: Action) -> tuple:
 
 def _dry_run(plan: Plan) -> None:
     """Execute all lists symbolically: sends are buffered, receives wait; report the first stall."""
-    sends = Counter(
-        _transfer_key(r, a) for r, acts in enumerate(plan.actions) for a in acts if a.kind.value.startswith("SEND")
-    )
-    recvs = Counter(
-        _transfer_key(r, a) for r, acts in enumerate(plan.actions) for a in acts if a.kind.value.startswith("RECV")
-    )
+    sends = Counter(transfer_key(r, a) for r, acts in enumerate(plan.actions) for a in acts if a.kind in SENDS)
+    recvs = Counter(transfer_key(r, a) for r, acts in enumerate(plan.actions) for a in acts if a.kind in RECVS)
     for key in (sends - recvs) + (recvs - sends):
         _raise_unpaired(plan, key, sends)
     pos = [0] * plan.world_size
@@ -286,8 +284,8 @@ def _dry_run(plan: Plan) -> None:
         for rank, acts in enumerate(plan.actions):
             while pos[rank] < len(acts) and _ready(plan, rank, acts[pos[rank]], sent, done[rank]):
                 a = acts[pos[rank]]
-                if a.kind.value.startswith("SEND"):
-                    sent.add(_transfer_key(rank, a))
+                if a.kind in SENDS:
+                    sent.add(transfer_key(rank, a))
                 done[rank].add((a.stage, a.kind, a.mb, a.dst, a.peer))
                 pos[rank] += 1
                 progress = True
@@ -315,14 +313,14 @@ def _raise_unpaired(plan: Plan, key: tuple, sends: Counter) -> None:
     kind, stage, dst, mb, src, dst_rank = key
     side = "SEND without a matching RECV" if key in sends else "RECV without a matching SEND"
     rank = src if key in sends else dst_rank
-    step = next(i for i, a in enumerate(plan.actions[rank]) if a.kind in TRANSFERS and _transfer_key(rank, a) == key)
+    step = next(i for i, a in enumerate(plan.actions[rank]) if a.kind in TRANSFERS and transfer_key(rank, a) == key)
     raise PlanError(f"{side}: {plan.actions[rank][step]} on rank {rank}\n{plan.format_table({rank: step})}")
 
 
 def _ready(plan: Plan, rank: int, a: Action, sent: set[tuple], done: set[tuple]) -> bool:
     """Whether ``a`` can run on ``rank`` now, given what was sent and what ``rank`` has done."""
     if a.kind in (ActionKind.RECV, ActionKind.RECV_GRAD):
-        return _transfer_key(rank, a) in sent
+        return transfer_key(rank, a) in sent
     if a.kind == ActionKind.SEND:
         return (a.stage, ActionKind.F, a.mb, None, None) in done
     if a.kind == ActionKind.SEND_GRAD:

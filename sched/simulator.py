@@ -19,7 +19,7 @@ from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from mmpipe.sched.plan import Action, ActionKind, Plan, PlanError, _transfer_key
+from mmpipe.sched.plan import Action, ActionKind, Plan, PlanError, transfer_key
 
 CostFn = Callable[[Action], float]  # seconds an action keeps its rank busy
 COMPUTE = (ActionKind.F, ActionKind.B, ActionKind.STEP)
@@ -75,7 +75,7 @@ class _Sim:
     def _try(self, rank: int, a: Action, step: int) -> bool:
         start = self.clock[rank]
         if a.kind in (ActionKind.RECV, ActionKind.RECV_GRAD):
-            key = (step, *_transfer_key(rank, a))
+            key = (step, *transfer_key(rank, a))
             if not self.arrivals[key]:
                 return False
             start = max(start, self.arrivals[key].popleft())
@@ -88,7 +88,7 @@ class _Sim:
             if len(pending) >= self.max_inflight:
                 return False  # blocked until the oldest message is received
             end = start + self.cost(a)
-            key = (step, *_transfer_key(rank, a))
+            key = (step, *transfer_key(rank, a))
             self.arrivals[key].append(end)
             pending.append(key)
         else:

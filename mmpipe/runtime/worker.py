@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,17 +26,11 @@ def run(raw: dict[str, Any]) -> None:
         raise ValueError(f"launched with world size {world} but launch.nproc={cfg.launch.nproc}")
     if not cfg.train.threads:
         cfg.train.threads = max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-    graph = build_training_graph(cfg.model, pipeline_dir(cfg.model, _path(cfg.run_dir)))
+    graph = build_training_graph(cfg.model, pipeline_dir(cfg.model, Path(cfg.run_dir)))
     try:
         run_rank(cfg, graph, rank=rank, world_size=world)
     finally:
         torch.distributed.destroy_process_group()
-
-
-def _path(p: str) -> Any:
-    from pathlib import Path
-
-    return Path(p)
 
 
 def main(argv: list[str] | None = None) -> int:
