@@ -18,16 +18,18 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from mmpipe.config import GenerateConfig, RunConfig, from_dict
+from mmpipe.config import GenerateConfig, PlanConfig, ProfileConfig, RunConfig, from_dict
 
-USAGE = """usage: mmpipe COMMAND [key=value ...] [--cfg]
+USAGE = """usage: mmpipe COMMAND [key=value ...] [--cfg] [--json]
 
 commands:
   train      train the text-to-video DAG (default: tiny Wan-style model on moving shapes)
   generate   render a prompt with a trained run: mmpipe generate ckpt=RUN_DIR prompt="..."
+  plan       plan a model on a cluster: mmpipe plan model=wan14b_t2v cluster=h200_512 [--json]
+  profile    calibrate the planner's cost model on this machine: mmpipe profile model=t2v_tiny
 
 Overrides use Hydra syntax: model=t2v_tiny_qwen train.steps=50 data.root=/videos
---cfg prints the composed config and exits."""
+--cfg prints the composed config and exits; --json (plan) prints the plan as JSON."""
 
 
 def compose_config(command: str, overrides: Sequence[str]) -> dict[str, Any]:
@@ -57,7 +59,41 @@ def _run_generate(raw: dict[str, Any]) -> None:
         print(f"{kind}: {path}")
 
 
-COMMANDS: dict[str, Callable[[dict[str, Any]], None]] = {"train": _run_train, "generate": _run_generate}
+def _run_plan(raw: dict[str, Any]) -> None:
+    cfg = from_dict(PlanConfig, raw)
+    import json
+
+    from mmpipe.planning import default_calibration_path, plan_from_config, report_json
+
+    if cfg.calibration is None and cfg.cluster.get("name") == "local" and default_calibration_path().is_file():
+        cfg.calibration = str(default_calibration_path())
+    graph, report = plan_from_config(cfg)
+    if cfg.json:
+        print(json.dumps(report_json(graph, report), indent=2))
+    else:
+        print(report.format())
+        if cfg.calibration:
+            print(f"calibration: {cfg.calibration}")
+
+
+def _run_profile(raw: dict[str, Any]) -> None:
+    cfg = from_dict(ProfileConfig, raw)
+    from mmpipe.planning import default_calibration_path, profile
+
+    cal = profile(
+        cfg.model, cfg.data, batch_size=cfg.batch_size, repeats=cfg.repeats, warmup=cfg.warmup, threads=cfg.threads
+    )
+    for stage, eff in cal.stages.items():
+        print(f"{stage:<10} " + "  ".join(f"{k} {v:.3%} of peak" for k, v in eff.items()))
+    print(f"calibration: {cal.save(cfg.out or default_calibration_path(cal.device))}")
+
+
+COMMANDS: dict[str, Callable[[dict[str, Any]], None]] = {
+    "train": _run_train,
+    "generate": _run_generate,
+    "plan": _run_plan,
+    "profile": _run_profile,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -71,7 +107,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"mmpipe: unknown command {command!r}; commands: {sorted(COMMANDS)}\n\n{USAGE}", file=sys.stderr)
         return 2
     show = "--cfg" in overrides
-    overrides = [o for o in overrides if o != "--cfg"]
+    if "--json" in overrides:
+        if command != "plan":
+            print(f"mmpipe {command}: error: --json is an option of `mmpipe plan` only", file=sys.stderr)
+            return 2
+        overrides = [*overrides, "json=true"]
+    overrides = [o for o in overrides if o not in ("--cfg", "--json")]
     for o in overrides:
         if "=" not in o and not o.startswith("~"):
             print(f"mmpipe {command}: error: override {o!r} is not key=value (e.g. train.steps=50)", file=sys.stderr)

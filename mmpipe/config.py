@@ -23,6 +23,23 @@ def _positive(section: str, obj: Any, *keys: str) -> None:
 
 
 @dataclasses.dataclass(kw_only=True)
+class VideoSize:
+    """Frames and resolution of one training sample."""
+
+    frames: int
+    height: int
+    width: int
+
+    def __post_init__(self) -> None:
+        _positive("model.video", self, "frames", "height", "width")
+        if self.frames % 4 != 1 or self.height % 16 or self.width % 16:
+            raise ValueError(
+                f"model.video: frames must be 4k+1 and height/width multiples of 16, "
+                f"got {self.frames} x {self.height} x {self.width}"
+            )
+
+
+@dataclasses.dataclass(kw_only=True)
 class ModelConfig:
     """The text-to-video model: a local diffusers WanPipeline directory, or a tiny random preset."""
 
@@ -37,6 +54,10 @@ class ModelConfig:
     dit_layers: int = 4
     vae_base_dim: int = 4
     flow_shift: float = 3.0
+    # Full-size architecture presets (wan14b_t2v, hunyuan_t2v, ...): each stage's module config
+    # (diffusers / transformers kwargs; ``class`` picks the family) and the per-sample video size.
+    arch: dict[str, Any] | None = None
+    video: VideoSize | None = None
 
     def __post_init__(self) -> None:
         _positive("model", self, "text_dim", "text_len", "dit_heads", "dit_head_dim", "dit_layers", "vae_base_dim")
@@ -166,6 +187,45 @@ class GenerateConfig:
             value = getattr(self, key)
             if value is not None and value <= 0:
                 raise ValueError(f"{key} must be positive, got {value}")
+
+
+@dataclasses.dataclass(kw_only=True)
+class PlanConfig:
+    """Root config of ``mmpipe plan``: a model preset on a cluster preset."""
+
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    cluster: dict[str, Any] = dataclasses.field(default_factory=lambda: {"name": "local"})  # a configs/cluster preset
+    nproc: int = 0  # cluster=local only: ranks (0: the machine's cores)
+    global_batch: int = 0  # samples per optimizer step; 0: one per device
+    micro_batches: int = 0  # 0: searched
+    calibration: str | None = None  # a calibration.json from `mmpipe profile`
+    json: bool = False
+    simulate: bool = True  # check the chosen plans with the discrete-event simulator
+
+    def __post_init__(self) -> None:
+        if self.nproc < 0 or self.global_batch < 0 or self.micro_batches < 0:
+            raise ValueError("nproc, global_batch and micro_batches must be >= 0")
+        if self.calibration is not None and not Path(self.calibration).is_file():
+            raise ValueError(f"calibration={self.calibration!r} is not a file")
+
+
+@dataclasses.dataclass(kw_only=True)
+class ProfileConfig:
+    """Root config of ``mmpipe profile``."""
+
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    batch_size: int = 2
+    repeats: int = 5
+    warmup: int = 2
+    threads: int = 1
+    out: str | None = None
+
+    def __post_init__(self) -> None:
+        _positive("profile", self, "batch_size", "repeats")
+        if self.warmup < 0 or self.threads < 0:
+            raise ValueError("warmup and threads must be >= 0")
 
 
 def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:

@@ -36,11 +36,17 @@ class Cluster:
     memory_bytes: float
     levels: tuple[Level, ...]
     network_bandwidth: float  # bytes/s per rank beyond the largest level
+    host_bandwidth: float = 5.0e10  # bytes/s per device to host memory (activation offload)
+    host_memory_bytes: float = 2.5e11  # host memory per device available for offloaded activations
+    latency: float = 1e-5  # seconds per point-to-point message
+    efficiency: float = 0.45  # achieved / peak FLOP/s of a stage without a calibration for this device
 
     def __post_init__(self) -> None:
         sizes = [lv.size for lv in self.levels]
         if sizes != sorted(sizes) or any(b % a for a, b in zip(sizes, sizes[1:], strict=False)):
             raise ValueError(f"cluster {self.name!r}: level sizes must grow and divide each other, got {sizes}")
+        if not 0 < self.efficiency <= 1:
+            raise ValueError(f"cluster {self.name!r}: efficiency must be in (0, 1], got {self.efficiency}")
         if self.world_size <= 0 or self.peak_flops <= 0 or self.memory_bytes <= 0:
             raise ValueError(f"cluster {self.name!r}: world_size, peak_flops and memory must be positive")
 
@@ -78,24 +84,39 @@ class Cluster:
             names = sorted(
                 p.name.removesuffix(".yaml") for p in resources.files("mmpipe.configs").joinpath("cluster").iterdir()
             )
-            raise ValueError(f"unknown cluster preset {name!r}; presets: {['local', *names]}")
-        raw = yaml.safe_load(path.read_text())
-        levels = tuple(
-            Level(name=lv["name"], size=int(lv["size"]), bandwidth=float(lv["bandwidth"])) for lv in raw["levels"]
-        )
-        return cls(
-            name=name,
-            device=str(raw["device"]),
-            world_size=int(raw["world_size"]),
-            peak_flops=float(raw["peak_flops"]),
-            memory_bytes=float(raw["memory_bytes"]),
-            levels=levels,
-            network_bandwidth=float(raw["network_bandwidth"]),
-        )
+            raise ValueError(f"unknown cluster preset {name!r}; presets: {names}")
+        return cls.from_dict(yaml.safe_load(path.read_text()), name=name)
 
     @classmethod
-    def local(cls, nproc: int | None = None, *, peak_flops: float = 5e10) -> Cluster:
-        """This machine's CPU ranks: ``nproc`` (default: its cores), one shared-memory level."""
+    def from_dict(cls, raw: dict, *, name: str | None = None, nproc: int = 0) -> Cluster:
+        """A cluster from its YAML form (``name: local`` is :meth:`local` with ``nproc`` ranks)."""
+        name = name or str(raw.get("name", "cluster"))
+        if name == "local":
+            return cls.local(nproc or None)
+        try:
+            levels = tuple(
+                Level(name=lv["name"], size=int(lv["size"]), bandwidth=float(lv["bandwidth"])) for lv in raw["levels"]
+            )
+            return cls(
+                name=name,
+                device=str(raw["device"]),
+                world_size=int(raw["world_size"]),
+                peak_flops=float(raw["peak_flops"]),
+                memory_bytes=float(raw["memory_bytes"]),
+                levels=levels,
+                network_bandwidth=float(raw["network_bandwidth"]),
+                host_bandwidth=float(raw.get("host_bandwidth", 5.0e10)),
+                host_memory_bytes=float(raw.get("host_memory_bytes", 2.5e11)),
+                efficiency=float(raw.get("efficiency", 0.45)),
+                latency=float(raw.get("latency", 1e-5)),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"cluster {name!r}: bad or missing field {e}") from e
+
+    @classmethod
+    def local(cls, nproc: int | None = None, *, peak_flops: float = 1e11) -> Cluster:
+        """This machine's CPU ranks: ``nproc`` (default: its cores), one shared-memory level; the peak
+        is nominal (a core's fp32 FMA rate); ``mmpipe profile`` measures the achieved fraction."""
         n = nproc or os.cpu_count() or 1
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / n
         return cls(
@@ -106,4 +127,8 @@ class Cluster:
             memory_bytes=memory,
             levels=(Level(name="host", size=n, bandwidth=5e9),),
             network_bandwidth=1e9,
+            host_bandwidth=5e9,
+            host_memory_bytes=memory,
+            latency=3e-4,  # gloo over loopback TCP
+            efficiency=1.0,
         )

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import re
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from fractions import Fraction
 
 
 class PlanError(ValueError):
@@ -96,25 +96,72 @@ class Action:
 
 @dataclasses.dataclass(frozen=True)
 class DeviceGroup:
-    """The ranks a stage runs on; ``dp`` data-parallel replicas (FSDP2-sharded) split each micro-batch."""
+    """The ranks a stage runs on: ``dp`` data-parallel replicas (FSDP2-sharded for trainable stages)
+    that split each micro-batch, each replica ``ulysses x ring`` consecutive ranks that split its
+    sequence; ``recompute`` / ``offload``: the fractions of the stage's blocks whose activations are
+    recomputed in backward / offloaded to host memory (of the blocks that are kept)."""
 
     ranks: tuple[int, ...]
     dp: int = 1
+    ulysses: int = 1
+    ring: int = 1
+    recompute: float = 0.0
+    offload: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.ranks or len(set(self.ranks)) != len(self.ranks):
             raise PlanError(f"device group ranks must be distinct and non-empty, got {list(self.ranks)}")
-        if self.dp != len(self.ranks):
-            raise PlanError(f"device group {list(self.ranks)}: dp={self.dp} must equal its number of ranks")
+        if min(self.dp, self.ulysses, self.ring) < 1:
+            raise PlanError(f"device group {list(self.ranks)}: dp, ulysses and ring must be >= 1")
+        if self.dp * self.sp != len(self.ranks):
+            raise PlanError(
+                f"device group {list(self.ranks)}: dp={self.dp} x ulysses={self.ulysses} x ring={self.ring} "
+                f"must equal its number of ranks ({len(self.ranks)})"
+            )
+        for key in ("recompute", "offload"):
+            if not 0.0 <= getattr(self, key) <= 1.0:
+                raise PlanError(f"device group {list(self.ranks)}: {key}={getattr(self, key)} must be in [0, 1]")
+
+    @property
+    def sp(self) -> int:
+        """Sequence-parallel degree: ranks per replica."""
+        return self.ulysses * self.ring
+
+    @functools.cached_property
+    def _index(self) -> dict[int, int]:
+        return {r: i for i, r in enumerate(self.ranks)}
+
+    def replica(self, rank: int) -> int:
+        """The data-parallel replica ``rank`` belongs to (replicas are ``sp`` consecutive ranks)."""
+        return self._index[rank] // self.sp
 
     def rows(self, rank: int, batch: int) -> tuple[int, int]:
         """The rows ``[start, stop)`` of a micro-batch of ``batch`` samples that ``rank`` holds."""
-        i = self.ranks.index(rank)
+        i = self.replica(rank)
         size = batch // self.dp
         return i * size, (i + 1) * size
 
     def __str__(self) -> str:
-        return f"ranks={list(self.ranks)} dp={self.dp}"
+        return f"ranks={_ranges(self.ranks)} {self.options()}"
+
+    def options(self) -> str:
+        """``dp=.. [ulysses=..] [ring=..] [recompute=..] [offload=..]`` (non-default ones)."""
+        out = [f"dp={self.dp}"]
+        out += [f"{k}={getattr(self, k)}" for k in ("ulysses", "ring") if getattr(self, k) != 1]
+        out += [f"{k}={getattr(self, k):g}" for k in ("recompute", "offload") if getattr(self, k)]
+        return " ".join(out)
+
+
+def _ranges(ranks: Sequence[int]) -> str:
+    """``[0-3,8]`` for ranks 0, 1, 2, 3, 8."""
+    parts, start = [], None
+    for i, r in enumerate(ranks):
+        if start is None:
+            start = r
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            parts.append(f"{start}" if start == r else f"{start}-{r}")
+            start = None
+    return "[" + ",".join(parts) + "]"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,7 +184,7 @@ class Plan:
         """Stages fed by ``stage``."""
         return [c for p, c in self.edges if p == stage]
 
-    @property
+    @functools.cached_property
     def groups(self) -> dict[str, DeviceGroup]:
         """``stage -> DeviceGroup``."""
         return dict(self.placement)
@@ -150,7 +197,7 @@ class Plan:
     def to_text(self) -> str:
         """A line-oriented form that :meth:`from_text` parses back to an equal plan."""
         lines = [f"world_size {self.world_size}", f"micro_batches {self.micro_batches}"]
-        lines += [f"place {s} ranks={','.join(map(str, g.ranks))} dp={g.dp}" for s, g in self.placement]
+        lines += [f"place {s} ranks={','.join(map(str, g.ranks))} {g.options()}" for s, g in self.placement]
         lines += [f"edge {p}->{c}" for p, c in self.edges]
         lines += [f"backward {s}" for s in sorted(self.backward)]
         lines += [f"trainable {s}" for s in sorted(self.trainable)]
@@ -174,10 +221,16 @@ class Plan:
             elif head == "micro_batches":
                 micro = int(rest)
             elif head == "place":
-                m = re.fullmatch(r"(\S+) ranks=([\d,]+) dp=(\d+)", rest)
+                m = re.fullmatch(r"(\S+) ranks=([\d,]+)((?: \w+=[\d.]+)*)", rest)
                 if m is None:
                     raise PlanError(f"line {n}: bad placement {line!r}")
-                placement.append((m[1], DeviceGroup(tuple(int(r) for r in m[2].split(",")), int(m[3]))))
+                opts = dict(kv.split("=") for kv in m[3].split())
+                unknown = set(opts) - {"dp", "ulysses", "ring", "recompute", "offload"}
+                if unknown:
+                    raise PlanError(f"line {n}: unknown placement options {sorted(unknown)}")
+                ints = {k: int(v) for k, v in opts.items() if k in ("dp", "ulysses", "ring")}
+                floats = {k: float(v) for k, v in opts.items() if k in ("recompute", "offload")}
+                placement.append((m[1], DeviceGroup(tuple(int(r) for r in m[2].split(",")), **ints, **floats)))
             elif head == "edge":
                 src, _, dst = rest.partition("->")
                 edges.append((src, dst))
@@ -352,9 +405,11 @@ def _has(rank: int, src: str, dst: str, mb: int | None, kind: ActionKind, plan: 
 
 def overlapping_ranks(group: DeviceGroup, rank: int, other: DeviceGroup) -> list[int]:
     """Ranks of ``other`` whose share of a micro-batch overlaps ``rank``'s share in ``group``."""
-    i = group.ranks.index(rank)
-    lo, hi = Fraction(i, group.dp), Fraction(i + 1, group.dp)
-    return [r for j, r in enumerate(other.ranks) if Fraction(j, other.dp) < hi and lo < Fraction(j + 1, other.dp)]
+    i = group.replica(rank)
+    # Replicas j of ``other`` with [j/other.dp, (j+1)/other.dp) overlapping [i/group.dp, (i+1)/group.dp).
+    first = i * other.dp // group.dp
+    last = -(-(i + 1) * other.dp // group.dp)  # ceil
+    return list(other.ranks[first * other.sp : last * other.sp])
 
 
 def parse_placement(raw: Mapping[str, Sequence[int] | Mapping[str, object]]) -> dict[str, DeviceGroup]:
@@ -362,16 +417,22 @@ def parse_placement(raw: Mapping[str, Sequence[int] | Mapping[str, object]]) -> 
     out = {}
     for stage, spec in raw.items():
         if isinstance(spec, Mapping):
-            unknown = set(spec) - {"ranks", "dp"}
+            allowed = {"ranks", "dp", "ulysses", "ring", "recompute", "offload"}
+            unknown = set(spec) - allowed
             if unknown:
-                raise PlanError(f"placement.{stage}: unknown keys {sorted(unknown)} (allowed: ranks, dp)")
+                raise PlanError(f"placement.{stage}: unknown keys {sorted(unknown)} (allowed: {sorted(allowed)})")
             ranks = spec.get("ranks")
-            dp = spec.get("dp", len(ranks) if isinstance(ranks, Sequence) else 1)
+            extra = {k: spec[k] for k in ("ulysses", "ring", "recompute", "offload") if k in spec}
+            for k, v in extra.items():
+                if not isinstance(v, int | float) or isinstance(v, bool):
+                    raise PlanError(f"placement.{stage}.{k} must be a number, got {v!r}")
+            sp = int(extra.get("ulysses", 1)) * int(extra.get("ring", 1))
+            dp = spec.get("dp", len(ranks) // max(sp, 1) if isinstance(ranks, Sequence) else 1)
         else:
-            ranks, dp = spec, len(spec)
+            ranks, dp, extra = spec, len(spec), {}
         if not isinstance(ranks, Sequence) or not all(isinstance(r, int) for r in ranks):
             raise PlanError(f"placement.{stage}: ranks must be a list of ints, got {ranks!r}")
         if not isinstance(dp, int):
             raise PlanError(f"placement.{stage}: dp must be an int, got {dp!r}")
-        out[stage] = DeviceGroup(tuple(ranks), dp)
+        out[stage] = DeviceGroup(tuple(ranks), dp, **extra)  # type: ignore[arg-type]
     return out

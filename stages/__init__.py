@@ -4,14 +4,16 @@ Each adapter declares its ports and capabilities and maps input ports to output 
 a model's source. Modules come from a local ``from_pretrained`` directory or an existing object.
 """
 
-from mmpipe.stages.dit import WanDiTFlowMatchingStage
+from mmpipe.stages.dit import HunyuanVideoDiTFlowMatchingStage, WanDiTFlowMatchingStage
 from mmpipe.stages.sampler import DenoiseStage
 from mmpipe.stages.text import CausalLMTextEncoderStage, T5TextEncoderStage, TextEncoderStage
-from mmpipe.stages.vae import WanVAEDecodeStage, WanVAEEncodeStage
+from mmpipe.stages.vae import HunyuanVAEEncodeStage, WanVAEDecodeStage, WanVAEEncodeStage
 
 __all__ = [
     "CausalLMTextEncoderStage",
     "DenoiseStage",
+    "HunyuanVAEEncodeStage",
+    "HunyuanVideoDiTFlowMatchingStage",
     "T5TextEncoderStage",
     "TextEncoderStage",
     "WanDiTFlowMatchingStage",

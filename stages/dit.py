@@ -7,6 +7,10 @@ applies to its sigmas. Noise and ``s`` come from a generator seeded by the ``see
 micro-batch's loss is a pure function of (parameters, inputs, seed): resumed and pipelined runs
 reproduce an uninterrupted single-process run bit for bit.
 
+HunyuanVideo's DiT (``HunyuanVideoTransformer3DModel``) trains with the same objective and the same
+draw; it additionally takes a text mask and a pooled text vector, both derived here from the
+(zero-padded) context.
+
 Legend: B batch, Z latent channels, t/h/w latent frames/height/width, L text tokens, D text dim.
 """
 
@@ -17,7 +21,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from diffusers import WanTransformer3DModel
+from diffusers import HunyuanVideoTransformer3DModel, WanTransformer3DModel
 from torch import nn
 
 from mmpipe.graph import Capabilities, TensorSpec
@@ -87,6 +91,97 @@ class WanDiTFlowMatchingStage(SourcedStage):
             hidden_states=xs_BZthw.to(dtype),
             timestep=sigma_B * self.num_train_timesteps,
             encoder_hidden_states=context_BLD.to(dtype),
+            return_dict=False,
+        )[0]
+        loss = F.mse_loss(pred_BZthw.float(), (noise_BZthw - x0_BZthw).float())
+        return {"loss": loss}
+
+
+class HunyuanVideoDiTFlowMatchingStage(SourcedStage):
+    """``latents, context -> loss``: one flow-matching training step of the HunyuanVideo DiT.
+
+    The module also needs ``encoder_attention_mask`` and ``pooled_projections``; both come from the
+    context, whose padded positions the text stages set to exactly zero: the mask is
+    ``(context != 0).any(-1)`` (token 0 always counts, so an all-padding row stays finite) and the
+    pooled vector the mean of the valid tokens (so the module's ``pooled_projection_dim`` must equal
+    its ``text_embed_dim``). Guidance-distilled checkpoints (``guidance_embeds=True``) get the
+    embedded guidance scale ``guidance`` (default 6.0, the pipeline's), times 1000 as
+    ``HunyuanVideoPipeline`` passes it.
+    """
+
+    kind = "dit"
+    model_cls = HunyuanVideoTransformer3DModel
+    capabilities = Capabilities(sequence_parallel=True, fsdp=True, offload=True)
+
+    def __init__(
+        self,
+        name: str,
+        source: ModuleSource,
+        *,
+        shift: float = 1.0,
+        num_train_timesteps: int = 1000,
+        guidance: float | None = None,
+    ) -> None:
+        super().__init__(name, source, frozen=False)
+        if shift <= 0:
+            raise ValueError(f"stage {name!r}: flow shift must be positive, got {shift}")
+        cfg = source.config
+        if cfg.pooled_projection_dim != cfg.text_embed_dim:
+            raise ValueError(
+                f"stage {name!r}: pooled_projections are the masked mean of the context, so "
+                f"pooled_projection_dim ({cfg.pooled_projection_dim}) must equal text_embed_dim ({cfg.text_embed_dim})"
+            )
+        if cfg.guidance_embeds:
+            guidance = 6.0 if guidance is None else guidance
+        elif guidance is not None:
+            raise ValueError(f"stage {name!r}: guidance={guidance} given but the module has guidance_embeds=False")
+        self.shift = shift
+        self.num_train_timesteps = num_train_timesteps
+        self.guidance = guidance
+
+    @property
+    def inputs(self) -> Mapping[str, TensorSpec]:
+        cfg = self.source.config
+        return {
+            "latents": TensorSpec(("B", cfg.in_channels, "t", "h", "w"), torch.float32),
+            "context": TensorSpec(("B", "L", cfg.text_embed_dim)),
+        }
+
+    @property
+    def outputs(self) -> Mapping[str, TensorSpec]:
+        return {"loss": TensorSpec((), torch.float32)}
+
+    def forward(
+        self,
+        module: nn.Module,
+        inputs: Mapping[str, Any],
+        *,
+        seed: int = 0,
+        rows: tuple[int, int, int] | None = None,
+        **_: Any,
+    ) -> dict[str, Any]:
+        x0_BZthw, context_BLD = inputs["latents"], inputs["context"]
+        noise_BZthw, sigma_B = sample_flow_matching(x0_BZthw, seed=seed, shift=self.shift, rows=rows)
+        s_B11111 = sigma_B.view(-1, 1, 1, 1, 1)
+        xs_BZthw = (1 - s_B11111) * x0_BZthw + s_B11111 * noise_BZthw
+        dtype = module.dtype
+        # Text stages zero padded positions exactly; a real token is never all-zero. The module builds
+        # its joint-attention mask from the *count* of valid tokens (valid tokens must come first) and
+        # its token refiner divides by that count: an all-padding row (a zeroed prompt) keeps token 0.
+        mask_BL = (context_BLD != 0).any(-1)
+        mask_BL[:, 0] = True
+        mask_BL1 = mask_BL.unsqueeze(-1).float()
+        pooled_BD = (context_BLD.float() * mask_BL1).sum(1) / mask_BL1.sum(1).clamp(min=1)
+        guidance_B = None
+        if self.guidance is not None:
+            guidance_B = torch.full(sigma_B.shape, self.guidance * 1000.0, device=sigma_B.device)
+        pred_BZthw = module(
+            hidden_states=xs_BZthw.to(dtype),
+            timestep=sigma_B * self.num_train_timesteps,
+            encoder_hidden_states=context_BLD.to(dtype),
+            encoder_attention_mask=mask_BL,
+            pooled_projections=pooled_BD.to(dtype),
+            guidance=guidance_B,
             return_dict=False,
         )[0]
         loss = F.mse_loss(pred_BZthw.float(), (noise_BZthw - x0_BZthw).float())

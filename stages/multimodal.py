@@ -11,6 +11,7 @@ Legend: B batch, N image tokens, L text tokens, V vision width, H LLM width, D D
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -79,9 +80,15 @@ class MultimodalLLMStage(SourcedStage):
     kind = "llm"
     capabilities = Capabilities(sequence_parallel=True, fsdp=True, offload=True)
 
-    def __init__(self, name: str, source: ModuleSource, *, num_image_tokens: int, text_len: int) -> None:
+    def __init__(
+        self, name: str, source: ModuleSource, *, num_image_tokens: int, text_len: int, vision_width: int
+    ) -> None:
         super().__init__(name, source, frozen=False)
-        self.num_image_tokens, self.text_len = num_image_tokens, text_len
+        self.num_image_tokens, self.text_len, self.vision_width = num_image_tokens, text_len, vision_width
+
+    def build_from_config(self) -> ImageTextLM:
+        """A randomly initialised module of this stage's architecture (the cost model builds it on meta)."""
+        return ImageTextLM(AutoModel.from_config(self.source.config), self.vision_width)
 
     @classmethod
     def from_dir(
@@ -89,7 +96,7 @@ class MultimodalLLMStage(SourcedStage):
     ) -> MultimodalLLMStage:
         """Load lazily from ``path`` (see :meth:`ImageTextLM.save`)."""
         source = ModuleSource(AutoConfig.from_pretrained(path / "lm"), lambda: ImageTextLM.load(path, vision_width))
-        return cls(name, source, num_image_tokens=num_image_tokens, text_len=text_len)
+        return cls(name, source, num_image_tokens=num_image_tokens, text_len=text_len, vision_width=vision_width)
 
     @property
     def inputs(self) -> Mapping[str, TensorSpec]:
@@ -109,7 +116,7 @@ class MultimodalLLMStage(SourcedStage):
         image_BNH = module.projector(inputs["image_tokens"])
         lm: Any = module.lm
         text_BLH = lm.get_input_embeddings()(inputs["input_ids"])
-        mask_BS = torch.cat([torch.ones(image_BNH.shape[:2], dtype=torch.int64), inputs["attention_mask"]], dim=1)
+        mask_BS = torch.cat([torch.ones(image_BNH.shape[:2], dtype=torch.int64, device=image_BNH.device), inputs["attention_mask"]], dim=1)
         hidden_BSH = lm(inputs_embeds=torch.cat([image_BNH, text_BLH], dim=1), attention_mask=mask_BS).last_hidden_state
         return {"hidden": hidden_BSH, "mask": mask_BS}
 
@@ -141,6 +148,14 @@ class Connector(nn.Module):
         return model
 
 
+@dataclasses.dataclass(frozen=True)
+class ConnectorConfig:
+    """The connector's widths: LLM hidden size in, DiT context width out."""
+
+    in_dim: int
+    out_dim: int
+
+
 class ConnectorStage(SourcedStage):
     """``hidden (B, S, H), mask -> context (B, S, D)`` with padded positions zeroed, trainable."""
 
@@ -155,8 +170,11 @@ class ConnectorStage(SourcedStage):
     def from_dir(cls, name: str, path: Path, *, seq_len: int) -> ConnectorStage:
         """Load lazily from ``path`` (see :meth:`Connector.save`)."""
         cfg = json.loads((path / "config.json").read_text())
-        config = type("ConnectorConfig", (), cfg)()
-        return cls(name, ModuleSource(config, lambda: Connector.load(path)), seq_len=seq_len)
+        return cls(name, ModuleSource(ConnectorConfig(**cfg), lambda: Connector.load(path)), seq_len=seq_len)
+
+    def build_from_config(self) -> Connector:
+        """A randomly initialised connector of this stage's widths."""
+        return Connector(self.source.config.in_dim, self.source.config.out_dim)
 
     @property
     def inputs(self) -> Mapping[str, TensorSpec]:

@@ -4,6 +4,10 @@ Latents are normalised exactly as the Wan pipelines do: ``(z - mean) / std`` per
 (``WanImageToVideoPipeline.prepare_latents``) and ``z * std + mean`` before decode
 (``WanPipeline.__call__``).
 
+HunyuanVideo latents are only scaled: ``z * scaling_factor`` on encode (the image-to-video and
+framepack pipelines' ``prepare_latents``), ``z / scaling_factor`` before decode
+(``HunyuanVideoPipeline.__call__``).
+
 Legend: B batch, C channels (3 pixels, Z latent), T/t frames (pixel/latent), H/h, W/w height/width.
 """
 
@@ -13,7 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from diffusers import AutoencoderKLWan
+from diffusers import AutoencoderKLHunyuanVideo, AutoencoderKLWan
 from torch import nn
 
 from mmpipe.graph import Capabilities, TensorSpec
@@ -77,3 +81,30 @@ class WanVAEDecodeStage(_WanVAEStage):
         mean, inv_std = self._mean_std(z_BZthw)
         video_B3THW = vae.decode(z_BZthw / inv_std + mean, return_dict=False)[0]
         return {"video": video_B3THW}
+
+
+class HunyuanVAEEncodeStage(SourcedStage):
+    """``video (B, 3, T, H, W) in [-1, 1] -> latents (B, Z, t, h, w)``, the distribution's mode, scaled."""
+
+    kind = "vae_encode"
+    model_cls = AutoencoderKLHunyuanVideo
+    capabilities = Capabilities(offload=True)
+
+    def __init__(self, name: str, source: ModuleSource) -> None:
+        super().__init__(name, source, frozen=True)
+        self.z_dim: int = source.config.latent_channels
+        self.scaling_factor: float = source.config.scaling_factor
+
+    @property
+    def inputs(self) -> Mapping[str, TensorSpec]:
+        return {"video": TensorSpec(("B", 3, "T", "H", "W"), torch.float32)}
+
+    @property
+    def outputs(self) -> Mapping[str, TensorSpec]:
+        return {"latents": TensorSpec(("B", self.z_dim, "t", "h", "w"), torch.float32)}
+
+    def forward(self, module: nn.Module, inputs: Mapping[str, Any], **options: Any) -> dict[str, Any]:
+        vae: Any = module  # diffusers' AutoencoderKLHunyuanVideo
+        video_B3THW = inputs["video"].to(vae.dtype)
+        z_BZthw = vae.encode(video_B3THW).latent_dist.mode().float()
+        return {"latents": z_BZthw * self.scaling_factor}

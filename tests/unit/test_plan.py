@@ -144,7 +144,7 @@ def test_static_errors(edit, message: str) -> None:
 
 
 def test_placement_config_errors() -> None:
-    with pytest.raises(PlanError, match="dp=3 must equal its number of ranks"):
+    with pytest.raises(PlanError, match=r"dp=3 x ulysses=1 x ring=1 must equal its number of ranks \(2\)"):
         parse_placement({"dit": {"ranks": [1, 2], "dp": 3}})
     with pytest.raises(PlanError, match=r"placement.dit: unknown keys \['sp'\]"):
         parse_placement({"dit": {"ranks": [1], "sp": 2}})

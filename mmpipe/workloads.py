@@ -1,0 +1,189 @@
+"""Training graphs to plan: full-size architecture presets (no weights) and the tiny presets.
+
+A full-size preset (``configs/model/wan14b_t2v.yaml``, ``hunyuan_t2v``, ``u2g_full``, ...) carries
+each stage's module config under ``arch`` and the per-sample video size under ``video``; its graph
+has the same stages and ports as the trainable graph of ``mmpipe.pipelines`` but modules that
+exist only as configs: the cost model instantiates them on the meta device, and asking one for
+weights is a clear error. The tiny presets are built for real (random weights in a temporary
+directory), so plans of them are the plans ``mmpipe train`` runs.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from diffusers import AutoencoderKLHunyuanVideo, AutoencoderKLWan, HunyuanVideoTransformer3DModel, WanTransformer3DModel
+from torch import nn
+from transformers import AutoConfig
+
+from mmpipe.config import DataConfig, ModelConfig
+from mmpipe.graph import Graph, TensorSpec
+from mmpipe.stages._source import ModuleSource
+
+ShapeDtype = tuple[tuple[int, ...], torch.dtype]
+_TEMP_DIRS: list[tempfile.TemporaryDirectory[str]] = []
+
+_DIFFUSERS = {
+    ("vae", "wan"): AutoencoderKLWan,
+    ("vae", "hunyuan"): AutoencoderKLHunyuanVideo,
+    ("dit", "wan"): WanTransformer3DModel,
+    ("dit", "hunyuan"): HunyuanVideoTransformer3DModel,
+}
+
+
+def planning_graph(model: ModelConfig, data: DataConfig) -> tuple[Graph, dict[str, ShapeDtype]]:
+    """The training graph of ``model`` and its per-sample (batch 1) graph-input shapes."""
+    if model.arch is not None:
+        graph = build_arch_graph(model)
+    else:
+        graph = _tiny_graph(model, data)
+    video = model.video or data
+    return graph, sample_inputs(graph, model.text_len, video.frames, video.height, video.width)
+
+
+def sample_inputs(graph: Graph, text_len: int, frames: int, height: int, width: int) -> dict[str, ShapeDtype]:
+    """Shapes of one sample of every required graph input."""
+    shapes: dict[str, ShapeDtype] = {}
+    for name, spec in graph.input_specs.items():
+        if not spec.required:
+            continue
+        if name in ("input_ids", "attention_mask"):
+            shapes[name] = ((1, text_len), torch.int64)
+        elif name == "video":
+            shapes[name] = ((1, 3, frames, height, width), torch.float32)
+        elif name == "pixel_values":
+            size = spec.shape[-1]
+            assert isinstance(size, int)
+            shapes[name] = ((1, 3, size, size), torch.float32)
+        else:
+            raise ValueError(f"graph input {name!r} has no per-sample shape rule")
+    return shapes
+
+
+def build_arch_graph(model: ModelConfig) -> Graph:
+    """The training graph of a full-size architecture preset (modules exist as configs only)."""
+    from mmpipe.pipelines import build_text_stage  # noqa: F401  (stage classes below)
+    from mmpipe.presets import build_word_tokenizer
+    from mmpipe.stages import WanDiTFlowMatchingStage, WanVAEEncodeStage
+    from mmpipe.stages.dit import HunyuanVideoDiTFlowMatchingStage
+    from mmpipe.stages.multimodal import ConnectorConfig, ConnectorStage, MultimodalLLMStage, VisionEncoderStage
+    from mmpipe.stages.text import CausalLMTextEncoderStage, T5TextEncoderStage
+    from mmpipe.stages.vae import HunyuanVAEEncodeStage
+
+    arch = dict(model.arch or {})
+    need = ["vae", "dit"] + (["vision", "llm", "connector"] if model.kind == "u2g" else ["text"])
+    missing = [k for k in need if not arch.get(k)]
+    if missing:
+        raise ValueError(f"model {model.name!r}: model.arch needs {need}; missing {missing}")
+
+    def source(role: str) -> ModuleSource:
+        return ModuleSource(_config(role, arch[role], model.name), _no_weights(model.name, role))
+
+    vae_cls = _family("vae", arch["vae"], model.name)
+    vae = (HunyuanVAEEncodeStage if vae_cls is AutoencoderKLHunyuanVideo else WanVAEEncodeStage)("vae", source("vae"))
+    dit_cls = _family("dit", arch["dit"], model.name)
+    dit_stage = HunyuanVideoDiTFlowMatchingStage if dit_cls is HunyuanVideoTransformer3DModel else WanDiTFlowMatchingStage
+    dit = dit_stage("dit", source("dit"), shift=model.flow_shift)
+    g = Graph(f"{model.name}_train")
+    g.add_input("input_ids", TensorSpec(("B", model.text_len), torch.int64))
+    g.add_input("attention_mask", TensorSpec(("B", model.text_len), torch.int64))
+    g.add_input("video", TensorSpec(("B", 3, "T", "H", "W"), torch.float32))
+    tokenizer = build_word_tokenizer(["a"])
+    if model.kind == "t2v":
+        text_src = source("text")
+        text_cls = T5TextEncoderStage if hasattr(text_src.config, "d_model") else CausalLMTextEncoderStage
+        g.add_stage(text_cls("text", text_src, tokenizer, max_length=model.text_len))
+        edges = [("input.input_ids", "text.input_ids"), ("input.attention_mask", "text.attention_mask")]
+        edges += [("text.context", "dit.context")]
+    else:
+        vision = VisionEncoderStage("vision", source("vision"))
+        llm_src = source("llm")
+        llm = MultimodalLLMStage(
+            "llm",
+            llm_src,
+            num_image_tokens=vision.num_tokens,
+            text_len=model.text_len,
+            vision_width=vision.source.config.hidden_size,
+        )
+        conn_cfg = ConnectorConfig(**arch["connector"])
+        connector = ConnectorStage(
+            "connector",
+            ModuleSource(conn_cfg, _no_weights(model.name, "connector")),
+            seq_len=vision.num_tokens + model.text_len,
+        )
+        g.add_input("pixel_values", TensorSpec(("B", 3, vision.image_size, vision.image_size), torch.float32))
+        for stage in (vision, llm, connector):
+            g.add_stage(stage)
+        edges = [
+            ("input.pixel_values", "vision.pixel_values"),
+            ("vision.image_tokens", "llm.image_tokens"),
+            ("input.input_ids", "llm.input_ids"),
+            ("input.attention_mask", "llm.attention_mask"),
+            ("llm.hidden", "connector.hidden"),
+            ("llm.mask", "connector.mask"),
+            ("connector.context", "dit.context"),
+        ]
+    g.add_stage(vae)
+    g.add_stage(dit)
+    for src, dst in [*edges, ("input.video", "vae.video"), ("vae.latents", "dit.latents")]:
+        g.connect(src, dst)
+    g.validate()
+    return g
+
+
+def _family(role: str, kw: Mapping[str, Any], preset: str) -> Any:
+    family = kw.get("class", "wan")
+    cls = _DIFFUSERS.get((role, family))
+    if cls is None:
+        known = sorted(f for r, f in _DIFFUSERS if r == role)
+        raise ValueError(f"model {preset!r}: model.arch.{role}.class={family!r} is unknown; expected one of {known}")
+    return cls
+
+
+def _config(role: str, kw: Mapping[str, Any], preset: str) -> Any:
+    """The full module config: transformers ``PretrainedConfig``, or a diffusers model's ``config``."""
+    kw = dict(kw)
+    if role in ("vae", "dit"):
+        cls = _family(role, kw, preset)
+        kw.pop("class", None)
+        try:
+            with torch.device("meta"):
+                return cls.from_config(kw).config
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"model {preset!r}: model.arch.{role} is not a valid {cls.__name__} config: {e}") from e
+    if "model_type" not in kw:
+        raise ValueError(f"model {preset!r}: model.arch.{role} needs a transformers model_type")
+    try:
+        return AutoConfig.for_model(kw.pop("model_type"), **kw)
+    except (KeyError, ValueError) as e:
+        raise ValueError(f"model {preset!r}: model.arch.{role}: {e}") from e
+
+
+def _no_weights(preset: str, role: str) -> Callable[[], nn.Module]:
+    def load() -> nn.Module:
+        raise ValueError(
+            f"model {preset!r} is an architecture-only preset: stage {role!r} has no weights "
+            "(use it with `mmpipe plan`, or train a local pipeline with model.path=DIR)"
+        )
+
+    return load
+
+
+def _tiny_graph(model: ModelConfig, data: DataConfig) -> Graph:
+    """The tiny preset's training graph, built for real (random weights) in a temporary directory."""
+    from mmpipe.data.shapes import caption_vocabulary
+    from mmpipe.presets import save_tiny_u2g_pipeline, save_tiny_wan_pipeline
+    from mmpipe.train import build_training_graph
+
+    if model.path is not None:
+        return build_training_graph(model, Path(model.path))
+    tmp_dir = tempfile.TemporaryDirectory(prefix="mmpipe-plan-")
+    _TEMP_DIRS.append(tmp_dir)  # the stages load lazily from it; removed when the process exits
+    tmp = Path(tmp_dir.name)
+    save = save_tiny_u2g_pipeline if model.kind == "u2g" else save_tiny_wan_pipeline
+    save(model, caption_vocabulary(), tmp / "pipeline", seed=0)
+    return build_training_graph(model, tmp / "pipeline")

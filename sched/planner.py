@@ -1,0 +1,859 @@
+"""The planner: placement, parallel degrees, memory policy and micro-batches of a training DAG.
+
+Given a graph's per-sample stage costs (``mmpipe.sched.cost``) and a cluster, the planner chooses,
+for every stage, its group size, data-parallel (FSDP) degree, Ulysses and ring degrees and memory
+policy (fractions of blocks recomputed / offloaded), plus the micro-batch size and count of a
+fixed global batch, for two kinds of layout:
+
+- *disaggregated*: every stage on its own contiguous group; frozen producers run ahead of the
+  trainable consumers. Group sizes come from a binary search on the step time: each stage takes
+  the fewest ranks whose best configuration finishes its micro-batches in time, until the
+  cluster is used up;
+- *colocated*: every stage on all ranks, time-sliced (each with its own dp / sequence split).
+
+The best candidates of the analytic model are checked with the discrete-event simulator on a
+reduced plan (ranks of a group are symmetric, so data-parallel replicas are merged), and the
+fastest simulated plan that fits every rank's memory wins. Rank assignment is topology-aware:
+sequence-parallel replicas are consecutive ranks inside the innermost bandwidth level, groups
+with sequence parallelism are placed first, on level boundaries, and data parallelism spans levels.
+
+Baselines computed the same way: *colocated-sequential* (all stages in turn on every rank, data
+parallelism only, with the best memory policy that fits), *uniform split* (rank counts
+proportional to parameter counts) and the *lower bound* (total FLOPs / ranks x peak x efficiency).
+
+The memory model per rank: trainable stages keep fp32 master weights, gradients and Adam moments
+sharded over their whole group (FSDP, 16 bytes per parameter / group size) plus two gathered bf16
+blocks; frozen stages keep bf16 weights, replicated when small and sharded otherwise; activations
+of every in-flight micro-batch (1F1B warm-up depth) under the chosen recompute / offload policy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from mmpipe.sched.cluster import Cluster
+from mmpipe.sched.cost import StageCost
+from mmpipe.sched.plan import Action, ActionKind, DeviceGroup, Plan
+from mmpipe.sched.schedule import GraphInfo, ScheduleKind, backward_stages, build_plan
+from mmpipe.sched.simulator import simulate
+
+RECOMPUTE = (0.0, 0.25, 0.5, 0.75, 1.0)
+OFFLOAD = (0.0, 0.5, 1.0)
+RING = (1, 2, 4, 8)
+USABLE_MEMORY = 0.9  # of device memory: the rest is the framework's, fragmentation, buffers
+ADAM_BYTES = 16  # fp32 master weight + fp32 gradient + two fp32 Adam moments, per parameter
+SEND_BUFFERS = 4  # the runtime's bound on unreceived sends (max in-flight messages)
+
+
+# ---- calibration -------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """Measured efficiency (achieved / peak FLOP/s) per stage and direction on one device kind."""
+
+    device: str
+    peak_flops: float
+    stages: Mapping[str, Mapping[str, float]]  # stage -> {"forward": e, "backward": e}
+
+    def efficiency(self, stage: str, direction: str, default: float) -> float:
+        return float(self.stages.get(stage, {}).get(direction, default))
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        raw = {"device": self.device, "peak_flops": self.peak_flops, "stages": dict(self.stages)}
+        path.write_text(json.dumps(raw, indent=2) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> Calibration:
+        try:
+            raw = json.loads(Path(path).read_text())
+            return cls(str(raw["device"]), float(raw["peak_flops"]), dict(raw["stages"]))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{str(path)!r} is not a calibration file written by `mmpipe profile`: {e}") from e
+
+
+# ---- the workload ------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """What the planner plans: a graph's stages, their per-sample costs and the global batch."""
+
+    name: str
+    graph: GraphInfo
+    costs: Mapping[str, StageCost]
+    global_batch: int
+    sequence_parallel: frozenset[str]  # stages that may split their sequence
+    edges: tuple[tuple[str, str], ...]
+    order: tuple[str, ...]
+    backward: frozenset[str]
+    trainable: frozenset[str]
+
+    @classmethod
+    def of(cls, name: str, graph: Any, costs: Mapping[str, StageCost], global_batch: int) -> Workload:
+        if global_batch <= 0:
+            raise ValueError(f"global_batch must be positive, got {global_batch}")
+        sp = frozenset(n for n, s in graph.stages.items() if getattr(s.capabilities, "sequence_parallel", False))
+        return cls(
+            name,
+            graph,
+            dict(costs),
+            global_batch,
+            sp,
+            tuple(dict.fromkeys(graph.stage_edges())),
+            tuple(graph.topological_order()),
+            backward_stages(graph),
+            frozenset(n for n, s in graph.stages.items() if not s.frozen),
+        )
+
+    def model_flops(self, stage: str) -> float:
+        """FLOPs per sample of ``stage`` (forward, plus backward when on the backward path)."""
+        c = self.costs[stage]
+        return c.forward_flops + (c.backward_flops if stage in self.backward else 0.0)
+
+    @property
+    def tokens_per_sample(self) -> int:
+        return max((c.tokens for c in self.costs.values()), default=0)
+
+
+# ---- per-stage configurations ------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class StageConfig:
+    """One stage's layout and policy, and what it costs each of its ranks per micro-batch."""
+
+    stage: str
+    dp: int
+    ulysses: int = 1
+    ring: int = 1
+    recompute: float = 0.0
+    offload: float = 0.0
+    samples: int = 1  # per replica per micro-batch
+    forward_s: float = 0.0  # per micro-batch, exposed communication included
+    backward_s: float = 0.0  # backward + recomputation, exposed communication included
+    memory: float = 0.0  # peak bytes per rank
+    inflight: int = 1
+
+    @property
+    def ranks(self) -> int:
+        return self.dp * self.ulysses * self.ring
+
+    @property
+    def time(self) -> float:
+        return self.forward_s + self.backward_s
+
+
+class CostModel:
+    """Seconds and bytes of a stage configuration on a cluster (see the module docstring)."""
+
+    def __init__(self, cluster: Cluster, workload: Workload, calibration: Calibration | None = None) -> None:
+        self.cluster, self.w, self.cal = cluster, workload, calibration
+        self.budget = cluster.memory_bytes * USABLE_MEMORY
+
+    def efficiency(self, stage: str, direction: str) -> float:
+        if self.cal is not None and self.cal.device == self.cluster.device:
+            return self.cal.efficiency(stage, direction, self.cluster.efficiency)
+        return self.cluster.efficiency
+
+    def rate(self, stage: str, direction: str) -> float:
+        return self.cluster.peak_flops * self.efficiency(stage, direction)
+
+    def _span(self, n: int) -> range:
+        return range(min(n, self.cluster.world_size))  # groups start on level boundaries
+
+    def configure(
+        self,
+        stage: str,
+        samples: int,
+        dp: int,
+        ulysses: int,
+        ring: int,
+        recompute: float,
+        offload: float,
+        *,
+        inflight: int = 1,
+        reserved: float = 0.0,
+    ) -> StageConfig:
+        """The configuration's times and peak memory (``reserved``: bytes other stages keep on its ranks)."""
+        c, w = self.costs(stage), self.w
+        sp = ulysses * ring
+        n = samples
+        group = dp * sp
+        train = stage in w.backward
+        trainable = stage in w.trainable
+        fwd = n * c.forward_flops / sp / self.rate(stage, "forward")
+        bwd = n * c.backward_flops / sp / self.rate(stage, "backward") if train else 0.0
+        rec = recompute * n * c.block_flops / sp / self.rate(stage, "forward") if train else 0.0
+        # Ulysses: four all-to-alls per block (q, k, v, out) each way, of this rank's shard.
+        a2a_f = a2a_b = 0.0
+        if ulysses > 1 and c.blocks:
+            shard = n * c.tokens * c.hidden * 2 / sp
+            one = self.cluster.collective_seconds("all_to_all", shard, self._span(ulysses))
+            a2a_f = 4 * c.blocks * one
+            a2a_b = a2a_f * (1 + recompute) if train else 0.0
+        # Ring: ring - 1 key/value block passes per block, hidden behind the attention compute.
+        ring_f = ring_b = 0.0
+        if ring > 1 and c.blocks:
+            kv = 2 * n * c.tokens * c.hidden * 2 / sp
+            step = kv / self.cluster.bandwidth(self._span(sp))
+            attn = n * c.attention_flops / c.blocks / sp / self.rate(stage, "forward")
+            ring_f = c.blocks * max(0.0, (ring - 1) * step - attn)
+            ring_b = c.blocks * max(0.0, 2 * (ring - 1) * step - 2.5 * attn) if train else 0.0
+        # FSDP traffic per micro-batch, overlapped with compute.
+        fsdp = 0.0
+        replicate = not trainable and 2 * c.params <= 0.25 * self.budget
+        if group > 1 and (trainable or not replicate):
+            gather = self.cluster.collective_seconds("all_gather", 2 * c.params, self._span(group))
+            fsdp = gather * (2 + recompute if train else 1)
+            if trainable:
+                fsdp += self.cluster.collective_seconds("reduce_scatter", 4 * c.params, self._span(group))
+        # Offload of saved activations to host memory and back, overlapped with compute.
+        moved = offload * (1 - recompute) * n * c.block_activation_bytes / sp if train else 0.0
+        offload_s = 2 * moved / self.cluster.host_bandwidth
+        compute = fwd + bwd + rec
+        exposed = max(0.0, fsdp - compute) + max(0.0, offload_s - compute)
+        forward_s = fwd + a2a_f + ring_f
+        backward_s = bwd + rec + a2a_b + ring_b + exposed if train else 0.0
+        if not train:
+            forward_s += exposed
+        # Memory per rank.
+        block_params = c.params / max(c.blocks, 1)
+        if trainable:
+            weights = ADAM_BYTES * c.params / group + 2 * 2 * block_params
+        elif replicate or group == 1:
+            weights = 2 * c.params
+        else:
+            weights = 2 * c.params / group + 2 * 2 * block_params
+        if train:
+            kept = (1 - recompute) * (1 - offload) * c.block_activation_bytes + recompute * c.block_input_bytes
+            per_mb = n / sp * (c.activation_bytes - c.block_activation_bytes + kept)
+            transient = n / sp * c.block_activation_bytes / max(c.blocks, 1)
+            acts = inflight * per_mb + transient
+        else:
+            acts = 4 * n * max(c.output_bytes, c.block_input_bytes / max(c.blocks, 1)) / sp
+        buffers = SEND_BUFFERS * n * c.output_bytes
+        memory = reserved + weights + acts + buffers
+        if inflight * moved > self.cluster.host_memory_bytes:
+            memory = math.inf  # the offloaded activations do not fit host memory
+        return StageConfig(stage, dp, ulysses, ring, recompute, offload, n, forward_s, backward_s, memory, inflight)
+
+    def costs(self, stage: str) -> StageCost:
+        return self.w.costs[stage]
+
+    def fits(self, cfg: StageConfig) -> bool:
+        return cfg.memory <= self.budget
+
+
+# ---- candidates --------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """A complete plan choice: per-stage configurations, rank ranges, micro-batching."""
+
+    name: str
+    layout: str  # "disaggregated" | "colocated"
+    configs: Mapping[str, StageConfig]
+    ranks: Mapping[str, tuple[int, ...]]  # each stage's group, replicas of consecutive ranks
+    micro_batch: int  # samples per micro-batch
+    micro_batches: int
+    world_size: int
+    estimate: float  # analytic step time (s)
+
+    def placement(self) -> dict[str, DeviceGroup]:
+        return {
+            s: DeviceGroup(self.ranks[s], c.dp, c.ulysses, c.ring, c.recompute, c.offload)
+            for s, c in self.configs.items()
+        }
+
+    @property
+    def ranks_used(self) -> int:
+        return len({r for g in self.ranks.values() for r in g})
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanResult:
+    """A candidate with its simulated figures."""
+
+    candidate: Candidate
+    step_time: float  # seconds per optimizer step (simulated when ``simulated``)
+    simulated: bool
+    samples_per_s: float
+    tokens_per_s: float
+    mfu: float
+    bubble: float  # mean over used ranks of 1 - compute / wall
+    stage_bubble: Mapping[str, float]
+    peak_memory: Mapping[str, float]  # per stage group: bytes per rank (colocated: all stages' sum)
+    fits_memory: bool
+
+    def to_json(self) -> dict[str, Any]:
+        cand = self.candidate
+        return {
+            "name": cand.name,
+            "layout": cand.layout,
+            "world_size": cand.world_size,
+            "ranks_used": cand.ranks_used,
+            "micro_batch": cand.micro_batch,
+            "micro_batches": cand.micro_batches,
+            "step_time_s": self.step_time,
+            "simulated": self.simulated,
+            "samples_per_s": self.samples_per_s,
+            "tokens_per_s": self.tokens_per_s,
+            "mfu": self.mfu,
+            "bubble": self.bubble,
+            "fits_memory": self.fits_memory,
+            "stages": {
+                s: {
+                    "ranks": _ranges(cand.ranks[s]),
+                    "dp": c.dp,
+                    "ulysses": c.ulysses,
+                    "ring": c.ring,
+                    "recompute": c.recompute,
+                    "offload": c.offload,
+                    "samples_per_replica": c.samples,
+                    "forward_s": c.forward_s,
+                    "backward_s": c.backward_s,
+                    "peak_memory_gb": self.peak_memory[s] / 1e9,
+                    "bubble": self.stage_bubble.get(s, 0.0),
+                }
+                for s, c in cand.configs.items()
+            },
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanReport:
+    """What ``plan`` returns: the chosen plan, the baselines and the lower bound."""
+
+    workload: str
+    cluster: str
+    world_size: int
+    global_batch: int
+    best: PlanResult
+    colocated: PlanResult | None
+    uniform: PlanResult | None
+    lower_bound_samples_per_s: float
+    plan_seconds: float
+
+    def vs(self, other: PlanResult | None) -> float | None:
+        if other is None or not other.fits_memory or other.samples_per_s <= 0:
+            return None
+        return self.best.samples_per_s / other.samples_per_s
+
+    def to_json(self) -> dict[str, Any]:
+        vs_col = self.vs(self.colocated)
+        return {
+            "workload": self.workload,
+            "cluster": self.cluster,
+            "gpus": self.world_size,
+            "global_batch": self.global_batch,
+            "plan": self.best.to_json(),
+            "colocated_sequential": self.colocated.to_json() if self.colocated else None,
+            "uniform_split": self.uniform.to_json() if self.uniform else None,
+            "lower_bound_samples_per_s": self.lower_bound_samples_per_s,
+            "vs_colocated": vs_col,
+            "vs_uniform": self.vs(self.uniform),
+            "vs_lower_bound": self.best.samples_per_s / self.lower_bound_samples_per_s,
+            "fits_memory": self.best.fits_memory,
+            "plan_seconds": self.plan_seconds,
+        }
+
+    def plan(self, graph: GraphInfo, *, schedule: ScheduleKind = ScheduleKind.ONE_F_ONE_B) -> Plan:
+        """The chosen plan as the runtime's per-rank action lists."""
+        cand = self.best.candidate
+        return build_plan(graph, cand.placement(), cand.micro_batches, world_size=cand.world_size, schedule=schedule)
+
+    def format(self) -> str:
+        """The human-readable report ``mmpipe plan`` prints."""
+        gb = 1e9
+        best = self.best
+        cand = best.candidate
+        lines = [
+            f"plan for {self.workload} on {self.cluster} ({self.world_size} devices), "
+            f"global batch {self.global_batch} = {cand.micro_batches} micro-batches x {cand.micro_batch}",
+            f"layout: {cand.layout}; ranks used: {cand.ranks_used}/{cand.world_size}",
+            "",
+            f"{'stage':<10} {'ranks':>13} {'dp':>5} {'uly':>4} {'ring':>4} {'recomp':>6} {'offl':>5} "
+            f"{'fwd s/mb':>9} {'bwd s/mb':>9} {'mem GB':>7} {'bubble':>6}",
+        ]
+        for s, c in cand.configs.items():
+            lines.append(
+                f"{s:<10} {_ranges(cand.ranks[s]):>13} {c.dp:>5} {c.ulysses:>4} {c.ring:>4} "
+                f"{c.recompute:>6.2f} {c.offload:>5.2f} {c.forward_s:>9.3f} {c.backward_s:>9.3f} "
+                f"{best.peak_memory[s] / gb:>7.1f} {best.stage_bubble.get(s, 0.0):>6.1%}"
+            )
+        lines.append("")
+        lines.append("per-rank schedule: " + _schedule_summary(cand))
+        lines.append("")
+        header = f"{'':<22} {'samples/s':>10} {'tokens/s':>12} {'step s':>9} {'MFU':>6} {'bubble':>7} {'fits':>5}"
+        lines.append(header)
+        for label, r in (("mmpipe plan", best), ("colocated-sequential", self.colocated), ("uniform split", self.uniform)):
+            if r is None:
+                lines.append(f"{label:<22} {'(no feasible configuration)':>40}")
+                continue
+            lines.append(
+                f"{label:<22} {r.samples_per_s:>10.3f} {r.tokens_per_s:>12.4g} {r.step_time:>9.2f} "
+                f"{r.mfu:>6.1%} {r.bubble:>7.1%} {'yes' if r.fits_memory else 'NO':>5}"
+            )
+        lines.append(f"{'lower bound':<22} {self.lower_bound_samples_per_s:>10.3f}")
+        vs_col = self.vs(self.colocated)
+        lines.append("")
+        lines.append(
+            f"plan vs colocated-sequential: {f'x{vs_col:.2f}' if vs_col else 'n/a'}; "
+            f"vs lower bound: x{best.samples_per_s / self.lower_bound_samples_per_s:.2f}; "
+            f"planned in {self.plan_seconds:.2f} s"
+        )
+        return "\n".join(lines)
+
+
+def _schedule_summary(cand: Candidate) -> str:
+    m = cand.micro_batches
+    if cand.layout == "colocated":
+        return f"every rank runs {' -> '.join(cand.configs)} per micro-batch ({m} per step), then STEP"
+    parts = []
+    for s, c in cand.configs.items():
+        kind = "F+B" if c.backward_s else "F"
+        parts.append(f"{s}: {m} x {kind} ({c.time:.3g} s each)")
+    return "; ".join(parts) + "; 1F1B across trainable groups, frozen groups run ahead"
+
+
+# ---- search ------------------------------------------------------------------------------------
+class Planner:
+    """Searches layouts for ``workload`` on ``cluster`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        workload: Workload,
+        cluster: Cluster,
+        *,
+        calibration: Calibration | None = None,
+        max_sequence_parallel: int | None = None,
+        memory_policies: bool = True,
+        micro_batches: int = 0,
+        simulate_top: int = 3,
+    ) -> None:
+        self.w, self.cluster = workload, cluster
+        self.model = CostModel(cluster, workload, calibration)
+        self.max_sp = max_sequence_parallel if max_sequence_parallel is not None else cluster.levels[0].size
+        self.policies = (
+            [(r, o) for r in RECOMPUTE for o in OFFLOAD] if memory_policies else [(0.0, 0.0)]
+        )
+        self.micro_batches = micro_batches
+        self.simulate_top = simulate_top
+
+    # -- public ----------------------------------------------------------------------------------
+    def plan(self) -> PlanReport:
+        t0 = time.perf_counter()
+        n = self.cluster.world_size
+        cands = self.disaggregated() + self.colocated(sequence_parallel=True)
+        cands = [c for c in cands if c is not None]
+        if not cands:
+            raise ValueError(
+                f"no configuration of {self.w.name} fits {self.cluster.name}: "
+                f"{self.cluster.memory_bytes / 1e9:.0f} GB per device; even full recomputation and offload exceed it"
+            )
+        cands.sort(key=lambda c: c.estimate)
+        results = [self.evaluate(c) for c in cands[: self.simulate_top]]
+        best = min(results, key=lambda r: r.step_time)
+        best = dataclasses.replace(best, candidate=dataclasses.replace(best.candidate, name="mmpipe"))
+        seq = [c for c in self.colocated(sequence_parallel=False) if c is not None]
+        colocated = self.evaluate(min(seq, key=lambda c: c.estimate), "colocated-sequential") if seq else None
+        uni = self.uniform_split()
+        uniform = self.evaluate(uni, "uniform split") if uni else None
+        # Baselines are real options too: never plan worse than one of them.
+        for alt in (colocated, uniform):
+            if alt is not None and alt.fits_memory and alt.step_time < best.step_time:
+                best = dataclasses.replace(alt, candidate=dataclasses.replace(alt.candidate, name="mmpipe"))
+        return PlanReport(
+            self.w.name,
+            self.cluster.name,
+            n,
+            self.w.global_batch,
+            best,
+            colocated,
+            uniform,
+            self.lower_bound(),
+            time.perf_counter() - t0,
+        )
+
+    def lower_bound(self) -> float:
+        """Samples/s if every rank ran every stage's FLOPs at its calibrated efficiency, nothing else."""
+        seconds = sum(
+            self.w.costs[s].forward_flops / self.model.rate(s, "forward")
+            + (self.w.costs[s].backward_flops / self.model.rate(s, "backward") if s in self.w.backward else 0.0)
+            for s in self.w.order
+        )
+        return self.cluster.world_size / seconds
+
+    # -- option enumeration ----------------------------------------------------------------------
+    def _micro_batch_sizes(self) -> list[int]:
+        g = self.w.global_batch
+        if self.micro_batches:
+            if g % self.micro_batches:
+                raise ValueError(f"global_batch={g} is not divisible by micro_batches={self.micro_batches}")
+            return [g // self.micro_batches]
+        return [b for b in _divisors(g) if g // b <= 64]
+
+    def _sp_options(self, stage: str) -> list[tuple[int, int]]:
+        c = self.w.costs[stage]
+        if stage not in self.w.sequence_parallel or not c.blocks or c.tokens < 2:
+            return [(1, 1)]
+        domain = self.cluster.levels[0].size
+        out = []
+        for u in _divisors(c.heads or 1):
+            for r in RING:
+                sp = u * r
+                if sp <= self.max_sp and domain % sp == 0 and c.tokens >= 2 * sp:
+                    out.append((u, r))
+        return out
+
+    def _inflight(self, stage: str, micro_batches: int) -> int:
+        """Micro-batches whose activations a rank of ``stage`` holds at once under 1F1B."""
+        if stage not in self.w.backward:
+            return 1
+        chain = [s for s in self.w.order if s in self.w.backward]
+        downstream = chain[chain.index(stage) + 1 :]
+        return min(micro_batches, 1 + len(downstream))
+
+    def best_config(
+        self, stage: str, b: int, dp: int, micro_batches: int, *, sp: Iterable[tuple[int, int]], reserved: float = 0.0
+    ) -> StageConfig | None:
+        """The fastest configuration of ``stage`` with ``dp`` replicas that fits memory."""
+        best: StageConfig | None = None
+        policies = self.policies if stage in self.w.backward else [(0.0, 0.0)]
+        inflight = self._inflight(stage, micro_batches)
+        for u, r in sp:
+            for rc, off in policies:
+                cfg = self.model.configure(stage, b // dp, dp, u, r, rc, off, inflight=inflight, reserved=reserved)
+                if self.model.fits(cfg) and (best is None or cfg.time < best.time):
+                    best = cfg
+        return best
+
+    # -- disaggregated ---------------------------------------------------------------------------
+    def disaggregated(self) -> list[Candidate | None]:
+        out = []
+        n = self.cluster.world_size
+        if len(self.w.order) > n:
+            return []
+        for b in self._micro_batch_sizes():
+            m = self.w.global_batch // b
+            fronts = {s: self._front(s, b, m) for s in self.w.order}
+            if any(not f for f in fronts.values()):
+                continue
+            out.append(self._balance(fronts, b, m))
+        return out
+
+    def _front(self, stage: str, b: int, m: int) -> list[StageConfig]:
+        """Pareto front (fewer ranks, less time) of the stage's fitting configurations."""
+        options = []
+        sp = self._sp_options(stage)
+        for dp in _divisors(b):
+            for u, r in sp:
+                if dp * u * r > self.cluster.world_size:
+                    continue
+                cfg = self.best_config(stage, b, dp, m, sp=[(u, r)])
+                if cfg is not None:
+                    options.append(cfg)
+        options.sort(key=lambda c: (c.ranks, c.time))
+        front: list[StageConfig] = []
+        for c in options:
+            if not front or c.time < front[-1].time:
+                front.append(c)
+        return front
+
+    def _balance(self, fronts: Mapping[str, list[StageConfig]], b: int, m: int) -> Candidate | None:
+        """Smallest step time whose per-stage rank needs fit the cluster (binary search)."""
+        n = self.cluster.world_size
+        times = sorted({self._stage_step(c, m) for f in fronts.values() for c in f})
+        chosen: dict[str, StageConfig] | None = None
+        lo, hi = 0, len(times) - 1
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            pick = self._pick(fronts, times[mid], m)
+            if pick is not None and sum(c.ranks for c in pick.values()) <= n:
+                chosen, hi = pick, mid - 1
+            else:
+                lo = mid + 1
+        if chosen is None:
+            return None
+        chosen = self._spend_leftover(fronts, chosen, m)
+        ranks = self._assign(chosen)
+        return Candidate("disaggregated", "disaggregated", chosen, ranks, b, m, n, self._estimate(chosen, m))
+
+    def _stage_step(self, c: StageConfig, m: int) -> float:
+        return m * c.time
+
+    def _pick(self, fronts: Mapping[str, list[StageConfig]], limit: float, m: int) -> dict[str, StageConfig] | None:
+        pick = {}
+        for s, front in fronts.items():
+            ok = [c for c in front if self._stage_step(c, m) <= limit]
+            if not ok:
+                return None
+            pick[s] = ok[0]  # fewest ranks
+        return pick
+
+    def _spend_leftover(
+        self, fronts: Mapping[str, list[StageConfig]], chosen: dict[str, StageConfig], m: int
+    ) -> dict[str, StageConfig]:
+        """Give unused ranks to the slowest stage while that shortens the step."""
+        n = self.cluster.world_size
+        chosen = dict(chosen)
+        while True:
+            slowest = max(chosen, key=lambda s: self._stage_step(chosen[s], m))
+            free = n - sum(c.ranks for c in chosen.values())
+            cur = chosen[slowest]
+            better = [
+                c for c in fronts[slowest] if c.ranks > cur.ranks and c.ranks - cur.ranks <= free and c.time < cur.time
+            ]
+            if not better:
+                return chosen
+            chosen[slowest] = min(better, key=lambda c: c.time)
+
+    def _assign(self, chosen: Mapping[str, StageConfig]) -> dict[str, tuple[int, ...]]:
+        """Contiguous groups: sequence-parallel groups first, on level boundaries."""
+        out, at = {}, 0
+        for s in sorted(chosen, key=lambda s: (-chosen[s].ulysses * chosen[s].ring, self.w.order.index(s))):
+            out[s] = tuple(range(at, at + chosen[s].ranks))
+            at += chosen[s].ranks
+        return {s: out[s] for s in self.w.order}
+
+    def _estimate(self, configs: Mapping[str, StageConfig], m: int) -> float:
+        frozen = [m * c.time for s, c in configs.items() if s not in self.w.backward]
+        chain = [c.time for s, c in configs.items() if s in self.w.backward]
+        train = (m + len(chain) - 1) * max(chain) if chain else 0.0
+        return max([*frozen, train])
+
+    # -- colocated ------------------------------------------------------------------------------
+    def colocated(self, *, sequence_parallel: bool) -> list[Candidate | None]:
+        out = []
+        n = self.cluster.world_size
+        for b in self._micro_batch_sizes():
+            m = self.w.global_batch // b
+            cand = self._colocated(b, m, n, sequence_parallel)
+            if cand is None and not sequence_parallel and b < n and self.w.global_batch < n:
+                continue
+            out.append(cand)
+        if not sequence_parallel and not any(out):
+            # Data parallelism only but fewer samples than ranks: the baseline uses as many ranks as samples.
+            g = self.w.global_batch
+            out = [self._colocated(b, g // b, _largest_divisor_le(b, n), False) for b in self._micro_batch_sizes()]
+        return out
+
+    def _colocated(self, b: int, m: int, ranks: int, sequence_parallel: bool) -> Candidate | None:
+        """Stages on backward paths take all ``ranks`` (their own dp x sequence split); frozen stages
+        run data parallel on every rank (sequential baseline) or, with sequence parallelism, on one
+        rank per replica of the trainable layout when there are fewer samples than ranks."""
+        reserved = 0.0
+        configs: dict[str, StageConfig] = {}
+        groups: dict[str, tuple[int, ...]] = {}
+        # Weights of every stage live on the ranks; the trainable stages' activations come last.
+        order = sorted(self.w.order, key=lambda s: s in self.w.backward)
+        for s in order:
+            options = self._sp_options(s) if sequence_parallel else [(1, 1)]
+            best: StageConfig | None = None
+            for u, r in options:
+                dps = [ranks // (u * r)] if ranks % (u * r) == 0 else []
+                if sequence_parallel:  # a stage may also run on one rank (or sp group) per replica
+                    dps = [d for d in _divisors(ranks) if d * u * r <= ranks and ranks % (d * u * r) == 0]
+                for dp in dps:
+                    if b % dp:
+                        continue
+                    cfg = self.best_config(s, b, dp, m, sp=[(u, r)], reserved=reserved)
+                    if cfg is not None and (best is None or cfg.time < best.time):
+                        best = cfg
+            if best is None:
+                return None
+            configs[s] = best
+            stride = ranks // best.ranks
+            groups[s] = tuple(q * stride * best.ulysses * best.ring + i for q in range(best.dp) for i in range(best.ulysses * best.ring))
+            if s not in self.w.backward or best.ranks < ranks:
+                reserved += best.memory
+        configs = {s: configs[s] for s in self.w.order}
+        est = m * sum(c.time for c in configs.values())
+        name = "colocated" if sequence_parallel else "colocated-sequential"
+        return Candidate(name, "colocated", configs, {s: groups[s] for s in configs}, b, m, self.cluster.world_size, est)
+
+    # -- uniform split --------------------------------------------------------------------------
+    def uniform_split(self) -> Candidate | None:
+        n = self.cluster.world_size
+        params = {s: max(self.w.costs[s].params, 1) for s in self.w.order}
+        total = sum(params.values())
+        sizes = {s: max(1, int(n * p / total)) for s, p in params.items()}
+        biggest = max(sizes, key=lambda s: sizes[s])
+        sizes[biggest] -= sum(sizes.values()) - n
+        if sizes[biggest] < 1:
+            return None
+        best: Candidate | None = None
+        for b in self._micro_batch_sizes():
+            m = self.w.global_batch // b
+            configs = {}
+            for s in self.w.order:
+                front = [c for c in self._front(s, b, m) if c.ranks <= sizes[s]]
+                if not front:
+                    break
+                configs[s] = min(front, key=lambda c: c.time)
+            else:
+                cand = Candidate("uniform split", "disaggregated", configs, {}, b, m, n, self._estimate(configs, m))
+                cand = dataclasses.replace(cand, ranks=self._assign(configs))
+                if best is None or cand.estimate < best.estimate:
+                    best = cand
+        return best
+
+    # -- evaluation -----------------------------------------------------------------------------
+    def evaluate(self, cand: Candidate, name: str | None = None, *, exact: bool = False) -> PlanResult:
+        """Simulate a reduced plan of ``cand`` (``exact``: the whole plan; the analytic estimate
+        when neither is possible)."""
+        if name is not None:
+            cand = dataclasses.replace(cand, name=name)
+        step, simulated, bubbles = cand.estimate, False, {}
+        reduced = cand if exact else _reduce(cand)
+        if reduced is not None and reduced.world_size <= 512 and self.simulate_top:
+            plan = build_plan(
+                self.w.graph, reduced.placement(), reduced.micro_batches, world_size=reduced.world_size
+            )
+            durations = self._durations(reduced)
+            sim = simulate(plan, lambda a: durations(a), steps=3)
+            step, simulated = sim.step_time, True
+            by_rank = sim.bubble
+            groups = plan.groups
+            bubbles = {
+                s: sum(by_rank.get(r, 0.0) for r in g.ranks) / len(g.ranks) for s, g in groups.items()
+            }
+            used = sorted({r for g in groups.values() for r in g.ranks})
+            mean_bubble = sum(by_rank.get(r, 0.0) for r in used) / len(used)
+        else:
+            mean_bubble = 0.0
+        g = self.w.global_batch
+        flops = sum(self.w.model_flops(s) for s in self.w.order) * g
+        peak = self._peak_memory(cand)
+        return PlanResult(
+            cand,
+            step,
+            simulated,
+            g / step,
+            g * self.w.tokens_per_sample / step,
+            flops / step / (self.cluster.world_size * self.cluster.peak_flops),
+            mean_bubble,
+            bubbles,
+            peak,
+            all(v <= self.model.budget for v in peak.values()),
+        )
+
+    def _peak_memory(self, cand: Candidate) -> dict[str, float]:
+        if cand.layout == "colocated":
+            weights = sum(c.memory for s, c in cand.configs.items() if s not in self.w.backward)
+            trained = max((c.memory for s, c in cand.configs.items() if s in self.w.backward), default=0.0)
+            total = max(weights, trained)  # trainable configs were sized with the frozen ones reserved
+            return {s: total for s in cand.configs}
+        return {s: c.memory for s, c in cand.configs.items()}
+
+    def _durations(self, cand: Candidate) -> Any:
+        cfgs = cand.configs
+        costs = self.w.costs
+        bw = self.cluster.network_bandwidth if cand.layout == "disaggregated" else self.cluster.levels[0].bandwidth
+        latency = self.cluster.latency
+
+        def cost(a: Action) -> float:
+            c = cfgs[a.stage]
+            if a.kind == ActionKind.F:
+                return c.forward_s
+            if a.kind == ActionKind.B:
+                return c.backward_s
+            if a.kind in (ActionKind.SEND, ActionKind.SEND_GRAD):
+                rows = cand.micro_batch / max(c.dp, cfgs[a.dst].dp) if a.dst else 1
+                return latency + rows * costs[a.stage].output_bytes / bw
+            return 0.0
+
+        return cost
+
+
+def _reduce(cand: Candidate) -> Candidate | None:
+    """The same candidate with data-parallel replicas merged by their common factor ``k``: the
+    plan repeats every ``world / k`` ranks, so its first period is simulated."""
+    k = cand.micro_batch
+    for c in cand.configs.values():
+        k = math.gcd(k, c.dp)
+    configs = {s: dataclasses.replace(c, dp=c.dp // k) for s, c in cand.configs.items()}
+    if cand.layout == "colocated":
+        size = cand.world_size // k
+        if cand.world_size % k:
+            return None
+        ranks = {s: tuple(r for r in cand.ranks[s] if r < size) for s in configs}
+        if any(len(ranks[s]) != configs[s].ranks for s in configs):
+            return None
+    else:
+        ranks, at = {}, 0
+        for s in sorted(configs, key=lambda s: cand.ranks[s][0]):
+            ranks[s], at = tuple(range(at, at + configs[s].ranks)), at + configs[s].ranks
+        size = at
+    return dataclasses.replace(cand, configs=configs, ranks=ranks, micro_batch=cand.micro_batch // k, world_size=size)
+
+
+def _ranges(ranks: Sequence[int]) -> str:
+    """``0-3,8`` for ranks 0, 1, 2, 3, 8."""
+    parts: list[str] = []
+    start = prev = None
+    for r in ranks:
+        if start is None:
+            start = prev = r
+        elif r == prev + 1:
+            prev = r
+        else:
+            parts.append(f"{start}" if start == prev else f"{start}-{prev}")
+            start = prev = r
+    if start is not None:
+        parts.append(f"{start}" if start == prev else f"{start}-{prev}")
+    return ",".join(parts) if len(parts) <= 3 else f"{parts[0]},...,{parts[-1]} ({len(ranks)})"
+
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, int(math.isqrt(n)) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def _largest_divisor_le(n: int, limit: int) -> int:
+    return max(d for d in _divisors(n) if d <= limit)
+
+
+def plan(
+    workload: Workload,
+    cluster: Cluster,
+    *,
+    calibration: Calibration | None = None,
+    max_sequence_parallel: int | None = None,
+    memory_policies: bool = True,
+    micro_batches: int = 0,
+) -> PlanReport:
+    """Plan ``workload`` on ``cluster``; see :class:`Planner`."""
+    return Planner(
+        workload,
+        cluster,
+        calibration=calibration,
+        max_sequence_parallel=max_sequence_parallel,
+        memory_policies=memory_policies,
+        micro_batches=micro_batches,
+    ).plan()
+
+
+def summarize(reports: Sequence[PlanReport]) -> list[dict[str, Any]]:
+    """The benchmark's per-(workload, cluster) entries."""
+    out = []
+    for r in reports:
+        out.append(
+            {
+                "workload": r.workload,
+                "cluster": r.cluster,
+                "gpus": r.world_size,
+                "vs_colocated": r.vs(r.colocated),
+                "vs_uniform": r.vs(r.uniform),
+                "vs_lower_bound": r.best.samples_per_s / r.lower_bound_samples_per_s,
+                "plan_seconds": r.plan_seconds,
+                "fits_memory": r.best.fits_memory,
+                "samples_per_s": r.best.samples_per_s,
+                "mfu": r.best.mfu,
+                "layout": r.best.candidate.layout,
+            }
+        )
+    return out
