@@ -148,8 +148,9 @@ class RunConfig:
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     launch: LaunchConfig = dataclasses.field(default_factory=LaunchConfig)
-    # stage -> ranks: {text: [0], vae: [0], dit: {ranks: [1, 2], dp: 2}}; None: derived from launch.nproc
-    placement: dict[str, Any] | None = None
+    # stage -> ranks: {text: [0], vae: [0], dit: {ranks: [1, 2], dp: 2}}; None: derived from launch.nproc;
+    # "auto": chosen by the planner for launch.nproc local ranks
+    placement: dict[str, Any] | Literal["auto"] | None = None
 
     def __post_init__(self) -> None:
         if self.data.val_samples < self.train.batch_size:

@@ -50,6 +50,7 @@ def plan_from_config(cfg: PlanConfig) -> tuple[Graph, PlanReport]:
         calibration=calibration,
         micro_batches=cfg.micro_batches,
         simulate_top=3 if cfg.simulate else 0,
+        batch_is_cap=not cfg.global_batch,
         **runtime_limits(cluster),
     )
     return graph, planner.plan()

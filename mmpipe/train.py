@@ -167,9 +167,11 @@ def default_placement(graph: Graph, world_size: int) -> dict[str, DeviceGroup]:
 
 
 def check_placement(cfg: RunConfig) -> None:
-    """Reject a placement naming unknown stages or ranks outside ``launch.nproc``, before anything is written."""
-    if not cfg.placement:
+    """Reject a placement naming unknown stages or ranks outside ``launch.nproc``, or asking for what
+    this runtime cannot run yet, before anything is written."""
+    if not cfg.placement or cfg.placement == "auto":
         return
+    assert isinstance(cfg.placement, dict)
     placement = parse_placement(cfg.placement)
     names = training_stages(cfg.model)
     unknown = sorted(set(placement) - set(names))
@@ -180,11 +182,55 @@ def check_placement(cfg: RunConfig) -> None:
         bad = [r for r in group.ranks if not 0 <= r < cfg.launch.nproc]
         if bad:
             raise PlanError(f"placement.{stage}: ranks {bad} outside launch.nproc={cfg.launch.nproc}")
+        check_runtime_support(stage, group)
+
+
+def check_runtime_support(stage: str, group: DeviceGroup) -> None:
+    """The CPU runtime runs data parallelism only: sequence parallelism (ulysses / ring) and
+    activation recompute / offload are planned but not executed yet."""
+    if group.sp > 1:
+        raise PlanError(
+            f"placement.{stage}: ulysses={group.ulysses} ring={group.ring}: the runtime does not run "
+            "sequence parallelism yet; use ulysses=1 ring=1"
+        )
+    if group.recompute or group.offload:
+        raise PlanError(
+            f"placement.{stage}: recompute={group.recompute} offload={group.offload}: the runtime does not "
+            "apply activation memory policies yet; use 0"
+        )
+
+
+def auto_placement(graph: Graph, cfg: RunConfig) -> dict[str, Any]:
+    """The planner's placement of ``graph`` on ``launch.nproc`` local CPU ranks (config form)."""
+    from mmpipe.planning import default_calibration_path
+    from mmpipe.sched.cluster import Cluster
+    from mmpipe.sched.cost import measure_graph_costs
+    from mmpipe.sched.planner import Calibration, Planner, Workload
+    from mmpipe.workloads import sample_inputs
+
+    data = cfg.data
+    shapes = sample_inputs(graph, cfg.model.text_len, data.frames, data.height, data.width)
+    workload = Workload.of(cfg.model.name, graph, measure_graph_costs(graph, shapes), cfg.train.batch_size)
+    path = default_calibration_path()
+    calibration = Calibration.load(path) if path.is_file() else None
+    planner = Planner(
+        workload,
+        Cluster.local(cfg.launch.nproc),
+        calibration=calibration,
+        micro_batches=cfg.train.micro_batches,
+        max_sequence_parallel=1,
+        memory_policies=False,
+    )
+    report = planner.plan()
+    logger.info("placement=auto (%s):\n%s", "calibrated" if calibration else "uncalibrated", report.format())
+    return {s: {"ranks": list(g.ranks), "dp": g.dp} for s, g in report.best.candidate.placement().items()}
 
 
 def make_plans(graph: Graph, cfg: RunConfig) -> tuple[Plan, Plan]:
     """(training plan, forward-only validation plan) of ``graph`` under the configured placement."""
     world = cfg.launch.nproc
+    if cfg.placement == "auto":
+        raise PlanError("placement=auto must be resolved (mmpipe.train.auto_placement) before plans are made")
     placement = parse_placement(cfg.placement) if cfg.placement else default_placement(graph, world)
     kind = ScheduleKind(cfg.train.schedule)
     n_micro = cfg.train.micro_batches
@@ -223,6 +269,9 @@ def train(cfg: RunConfig) -> TrainResult:
     """Train the trainable stages of the text-to-video graph on ``launch.nproc`` local ranks."""
     check_placement(cfg)
     run_dir, graph = prepare_run(cfg)
+    if cfg.placement == "auto":
+        cfg = dataclasses.replace(cfg, placement=auto_placement(graph, cfg))
+        (run_dir / CONFIG_FILE).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     train_plan, _ = make_plans(graph, cfg)  # validated here, before any worker starts
     cfg = dataclasses.replace(cfg, run_dir=str(run_dir))
     if cfg.launch.nproc == 1:

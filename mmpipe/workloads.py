@@ -86,7 +86,9 @@ def build_arch_graph(model: ModelConfig) -> Graph:
     vae_cls = _family("vae", arch["vae"], model.name)
     vae = (HunyuanVAEEncodeStage if vae_cls is AutoencoderKLHunyuanVideo else WanVAEEncodeStage)("vae", source("vae"))
     dit_cls = _family("dit", arch["dit"], model.name)
-    dit_stage = HunyuanVideoDiTFlowMatchingStage if dit_cls is HunyuanVideoTransformer3DModel else WanDiTFlowMatchingStage
+    dit_stage = (
+        HunyuanVideoDiTFlowMatchingStage if dit_cls is HunyuanVideoTransformer3DModel else WanDiTFlowMatchingStage
+    )
     dit = dit_stage("dit", source("dit"), shift=model.flow_shift)
     g = Graph(f"{model.name}_train")
     g.add_input("input_ids", TensorSpec(("B", model.text_len), torch.int64))

@@ -52,8 +52,10 @@ class Cluster:
 
     def bandwidth(self, ranks: Sequence[int]) -> float:
         """Bytes/s per rank for traffic among ``ranks``: the innermost level containing them all."""
+        # Levels are contiguous blocks of ranks, so the extremes decide.
+        lo, hi = (ranks[0], ranks[-1]) if isinstance(ranks, range) else (min(ranks), max(ranks))
         for level in self.levels:
-            if len({r // level.size for r in ranks}) == 1:
+            if lo // level.size == hi // level.size:
                 return level.bandwidth
         return self.network_bandwidth
 

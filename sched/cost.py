@@ -169,7 +169,9 @@ def _measure(
         stack.enter_context(torch.set_grad_enabled(backward))
         out = stage.forward(module, inputs, **options)
         forward = counter.get_total_flops()
-        attention = sum(v for k, v in counter.get_flop_counts()["Global"].items() if str(k).split(".")[-1] in _ATTENTION_OPS)
+        attention = sum(
+            v for k, v in counter.get_flop_counts()["Global"].items() if str(k).split(".")[-1] in _ATTENTION_OPS
+        )
         tensors = {k: v for k, v in out.items() if isinstance(v, torch.Tensor)}
         needs = [t for t in tensors.values() if t.requires_grad]
         if backward and needs:
@@ -284,9 +286,7 @@ class _FlashAttention(TorchFunctionMode):
             k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
             v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
         causal = bool(a.get("is_causal", False))
-        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=a.get("scale"))[
-            0
-        ]
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=a.get("scale"))[0]
 
 
 def _heads(cfg: Any) -> int:
@@ -352,9 +352,10 @@ def _cache_get(key: str) -> tuple[StageCost, dict[str, ShapeDtype]] | None:
     path = _cache_dir() / f"{key}.json"
     try:
         raw = json.loads(path.read_text())
-        hit = StageCost(**raw["cost"]), {
-            k: (tuple(s), getattr(torch, d.removeprefix("torch."))) for k, (s, d) in raw["outputs"].items()
-        }
+        hit = (
+            StageCost(**raw["cost"]),
+            {k: (tuple(s), getattr(torch, d.removeprefix("torch."))) for k, (s, d) in raw["outputs"].items()},
+        )
     except (OSError, ValueError, KeyError, TypeError):
         return None
     _MEMORY_CACHE[key] = hit

@@ -288,6 +288,19 @@ class Plan:
         return "\n".join(lines)
 
 
+def send_window(plan: Plan, *, minimum: int = 4) -> int:
+    """How many unreceived sends a rank may keep in flight: at least ``minimum``, and twice the
+    longest run of consecutive sends of any rank, so that a fan-out to many peers never waits on
+    one of them (the simulator checks the plan under the same bound)."""
+    longest = 0
+    for acts in plan.actions:
+        run = 0
+        for a in acts:
+            run = run + 1 if a.kind in SENDS else 0
+            longest = max(longest, run)
+    return max(minimum, 2 * longest)
+
+
 def _check_complete(plan: Plan) -> None:
     """Every rank of a stage's group runs F (and B) once per micro-batch and STEPs once if trainable."""
     for stage, group in plan.placement:

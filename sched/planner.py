@@ -39,9 +39,9 @@ from typing import Any
 
 from mmpipe.sched.cluster import Cluster
 from mmpipe.sched.cost import StageCost
-from mmpipe.sched.plan import Action, ActionKind, DeviceGroup, Plan
+from mmpipe.sched.plan import Action, ActionKind, DeviceGroup, Plan, PlanError
 from mmpipe.sched.schedule import GraphInfo, ScheduleKind, backward_stages, build_plan
-from mmpipe.sched.simulator import simulate
+from mmpipe.sched.simulator import bubble_fractions, simulate
 
 RECOMPUTE = (0.0, 0.25, 0.5, 0.75, 1.0)
 OFFLOAD = (0.0, 0.5, 1.0)
@@ -262,6 +262,10 @@ class Candidate:
     world_size: int
     estimate: float  # analytic step time (s)
 
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch * self.micro_batches
+
     def placement(self) -> dict[str, DeviceGroup]:
         return {
             s: DeviceGroup(self.ranks[s], c.dp, c.ulysses, c.ring, c.recompute, c.offload)
@@ -389,7 +393,11 @@ class PlanReport:
         lines.append("")
         header = f"{'':<22} {'samples/s':>10} {'tokens/s':>12} {'step s':>9} {'MFU':>6} {'bubble':>7} {'fits':>5}"
         lines.append(header)
-        for label, r in (("mmpipe plan", best), ("colocated-sequential", self.colocated), ("uniform split", self.uniform)):
+        for label, r in (
+            ("mmpipe plan", best),
+            ("colocated-sequential", self.colocated),
+            ("uniform split", self.uniform),
+        ):
             if r is None:
                 lines.append(f"{label:<22} {'(no feasible configuration)':>40}")
                 continue
@@ -398,6 +406,8 @@ class PlanReport:
                 f"{r.mfu:>6.1%} {r.bubble:>7.1%} {'yes' if r.fits_memory else 'NO':>5}"
             )
         lines.append(f"{'lower bound':<22} {self.lower_bound_samples_per_s:>10.3f}")
+        if not best.simulated:
+            lines.append("(step time from the analytic model: the reduced plan is too large to simulate)")
         vs_col = self.vs(self.colocated)
         lines.append("")
         lines.append(
@@ -433,13 +443,15 @@ class Planner:
         memory_policies: bool = True,
         micro_batches: int = 0,
         simulate_top: int = 3,
+        batch_is_cap: bool = False,
     ) -> None:
+        """``batch_is_cap``: the workload's global batch is an upper bound (the planner may use fewer
+        samples per step when a layout needs a batch divisible by its replica counts)."""
         self.w, self.cluster = workload, cluster
+        self.batch_is_cap = batch_is_cap
         self.model = CostModel(cluster, workload, calibration)
         self.max_sp = max_sequence_parallel if max_sequence_parallel is not None else cluster.levels[0].size
-        self.policies = (
-            [(r, o) for r in RECOMPUTE for o in OFFLOAD] if memory_policies else [(0.0, 0.0)]
-        )
+        self.policies = [(r, o) for r in RECOMPUTE for o in OFFLOAD] if memory_policies else [(0.0, 0.0)]
         self.micro_batches = micro_batches
         self.simulate_top = simulate_top
 
@@ -448,35 +460,51 @@ class Planner:
         t0 = time.perf_counter()
         n = self.cluster.world_size
         cands = self.disaggregated() + self.colocated(sequence_parallel=True)
+        if self.batch_is_cap:
+            cands += self.disaggregated_capped()
         cands = [c for c in cands if c is not None]
         if not cands:
             raise ValueError(
                 f"no configuration of {self.w.name} fits {self.cluster.name}: "
                 f"{self.cluster.memory_bytes / 1e9:.0f} GB per device; even full recomputation and offload exceed it"
             )
-        cands.sort(key=lambda c: c.estimate)
-        results = [self.evaluate(c) for c in cands[: self.simulate_top]]
-        best = min(results, key=lambda r: r.step_time)
+        best = self._first_runnable(cands, self.simulate_top)
+        if best is None:
+            raise ValueError(f"no candidate plan of {self.w.name} on {self.cluster.name} runs without stalling")
         best = dataclasses.replace(best, candidate=dataclasses.replace(best.candidate, name="mmpipe"))
         seq = [c for c in self.colocated(sequence_parallel=False) if c is not None]
-        colocated = self.evaluate(min(seq, key=lambda c: c.estimate), "colocated-sequential") if seq else None
+        colocated = self._first_runnable(seq, 1, "colocated-sequential")
         uni = self.uniform_split()
-        uniform = self.evaluate(uni, "uniform split") if uni else None
+        uniform = self._first_runnable([uni], 1, "uniform split") if uni else None
         # Baselines are real options too: never plan worse than one of them.
         for alt in (colocated, uniform):
-            if alt is not None and alt.fits_memory and alt.step_time < best.step_time:
+            if alt is not None and alt.fits_memory and alt.samples_per_s > best.samples_per_s:
                 best = dataclasses.replace(alt, candidate=dataclasses.replace(alt.candidate, name="mmpipe"))
         return PlanReport(
             self.w.name,
             self.cluster.name,
             n,
-            self.w.global_batch,
+            best.candidate.global_batch,
             best,
             colocated,
             uniform,
             self.lower_bound(),
             time.perf_counter() - t0,
         )
+
+    def _first_runnable(self, cands: Sequence[Candidate], top: int, name: str | None = None) -> PlanResult | None:
+        """The highest simulated throughput among the ``top`` best-estimated candidates whose
+        simulation does not stall (a stall is a plan the runtime could not run either)."""
+        ranked = sorted(cands, key=lambda c: -c.global_batch / c.estimate if c.estimate else 0.0)
+        results: list[PlanResult] = []
+        for c in ranked:
+            try:
+                results.append(self.evaluate(c, name))
+            except PlanError:
+                continue
+            if len(results) >= max(top, 1):
+                break
+        return max(results, key=lambda r: r.samples_per_s, default=None)
 
     def lower_bound(self) -> float:
         """Samples/s if every rank ran every stage's FLOPs at its calibrated efficiency, nothing else."""
@@ -522,14 +550,35 @@ class Planner:
     ) -> StageConfig | None:
         """The fastest configuration of ``stage`` with ``dp`` replicas that fits memory."""
         best: StageConfig | None = None
-        policies = self.policies if stage in self.w.backward else [(0.0, 0.0)]
+        train = stage in self.w.backward
         inflight = self._inflight(stage, micro_batches)
+        recomputes = sorted({rc for rc, _ in self.policies}) if train else [0.0]
+        offloads = sorted({off for _, off in self.policies}) if train else [0.0]
         for u, r in sp:
-            for rc, off in policies:
-                cfg = self.model.configure(stage, b // dp, dp, u, r, rc, off, inflight=inflight, reserved=reserved)
-                if self.model.fits(cfg) and (best is None or cfg.time < best.time):
-                    best = cfg
+            base: StageConfig | None = None
+            for rc in recomputes:
+                fit = None
+                for off in offloads:  # more offload of the same recompute never runs faster
+                    cfg = self.model.configure(stage, b // dp, dp, u, r, rc, off, inflight=inflight, reserved=reserved)
+                    if self.model.fits(cfg):
+                        fit = cfg
+                        break
+                if fit is None:
+                    continue
+                if best is None or fit.time < best.time:
+                    best = fit
+                if base is None:
+                    base = self.model.configure(stage, b // dp, dp, u, r, 0.0, 0.0, inflight=inflight)
+                # A higher recompute fraction adds compute; it only pays while offload is exposed.
+                if fit.offload == 0.0 or fit.time <= self._no_offload_time(fit, base):
+                    break
         return best
+
+    def _no_offload_time(self, fit: StageConfig, base: StageConfig) -> float:
+        """The time ``fit`` would take if its offload were fully hidden."""
+        c = self.w.costs[fit.stage]
+        rate = self.model.rate(fit.stage, "forward")
+        return (base.time + fit.recompute * fit.samples * c.block_flops / (fit.ulysses * fit.ring) / rate) * (1 + 1e-9)
 
     # -- disaggregated ---------------------------------------------------------------------------
     def disaggregated(self) -> list[Candidate | None]:
@@ -544,6 +593,78 @@ class Planner:
                 continue
             out.append(self._balance(fronts, b, m))
         return out
+
+    def disaggregated_capped(self) -> list[Candidate]:
+        """Disaggregated layouts with the global batch free up to the cap: the heaviest stage's
+        replica count ``R`` (and so the micro-batch ``b = R x samples``) is searched from the
+        largest that leaves room, and the other stages take the fewest ranks that keep pace."""
+        n, cap = self.cluster.world_size, self.w.global_batch
+        main = max(self.w.order, key=self.w.model_flops)
+        out: list[Candidate] = []
+        combos = []
+        for u, r in self._sp_options(main):
+            for m in (1, 2, 4, 8, 16, 32):
+                for per in (1, 2, 4):
+                    top = min(n // (u * r), cap // (m * per))
+                    if top < 1:
+                        continue
+                    cfg = self.best_config(main, top * per, top, m, sp=[(u, r)])
+                    if cfg is not None:  # samples/s if the other stages cost nothing
+                        combos.append((top * per / cfg.time, u, r, m, per, top))
+        combos.sort(reverse=True)
+        best_rate = 0.0
+        for bound, u, r, m, per, top in combos:
+            if bound <= best_rate:
+                break  # no later combination can beat what was found
+            found = self._largest_fitting(main, u, r, m, per, top, best_rate)
+            if found is not None:
+                out.append(found)
+                best_rate = max(best_rate, found.global_batch / found.estimate)
+        return out
+
+    def _largest_fitting(
+        self, main: str, u: int, r: int, m: int, per: int, top: int, floor_rate: float
+    ) -> Candidate | None:
+        """The most replicas (<= ``top``) of ``main`` that leave enough ranks for the other stages."""
+        n = self.cluster.world_size
+        for replicas in range(top, 0, -1):
+            b = replicas * per
+            cfg = self.best_config(main, b, replicas, m, sp=[(u, r)])
+            if cfg is None or b / cfg.time <= floor_rate:
+                return None  # fewer replicas do not fit better, nor run faster than what was found
+            chosen = {main: cfg}
+            for s in self.w.order:
+                if s != main:
+                    free = n - sum(c.ranks for c in chosen.values())
+                    fewest = self._fewest(s, b, m, m * cfg.time, free)
+                    if fewest is None:
+                        break
+                    chosen[s] = fewest
+            else:
+                configs = {s: chosen[s] for s in self.w.order}
+                return Candidate(
+                    "disaggregated",
+                    "disaggregated",
+                    configs,
+                    self._assign(configs),
+                    b,
+                    m,
+                    n,
+                    self._estimate(configs, m),
+                )
+        return None
+
+    def _fewest(self, stage: str, b: int, m: int, limit: float, free: int) -> StageConfig | None:
+        """The configuration of ``stage`` with the fewest ranks (at most ``free``) that finishes its
+        ``m`` micro-batches of ``b`` samples within ``limit`` seconds."""
+        options = sorted(
+            (dp * u * r, dp, u, r) for dp in _divisors(b) for u, r in self._sp_options(stage) if dp * u * r <= free
+        )
+        for _, dp, u, r in options:
+            cfg = self.best_config(stage, b, dp, m, sp=[(u, r)])
+            if cfg is not None and m * cfg.time <= limit:
+                return cfg
+        return None
 
     def _front(self, stage: str, b: int, m: int) -> list[StageConfig]:
         """Pareto front (fewer ranks, less time) of the stage's fitting configurations."""
@@ -622,7 +743,7 @@ class Planner:
     def _estimate(self, configs: Mapping[str, StageConfig], m: int) -> float:
         frozen = [m * c.time for s, c in configs.items() if s not in self.w.backward]
         chain = [c.time for s, c in configs.items() if s in self.w.backward]
-        train = (m + len(chain) - 1) * max(chain) if chain else 0.0
+        train = sum(chain) + (m - 1) * max(chain) if chain else 0.0  # 1F1B: fill + steady state
         return max([*frozen, train])
 
     # -- colocated ------------------------------------------------------------------------------
@@ -667,13 +788,19 @@ class Planner:
                 return None
             configs[s] = best
             stride = ranks // best.ranks
-            groups[s] = tuple(q * stride * best.ulysses * best.ring + i for q in range(best.dp) for i in range(best.ulysses * best.ring))
+            groups[s] = tuple(
+                q * stride * best.ulysses * best.ring + i
+                for q in range(best.dp)
+                for i in range(best.ulysses * best.ring)
+            )
             if s not in self.w.backward or best.ranks < ranks:
                 reserved += best.memory
         configs = {s: configs[s] for s in self.w.order}
         est = m * sum(c.time for c in configs.values())
         name = "colocated" if sequence_parallel else "colocated-sequential"
-        return Candidate(name, "colocated", configs, {s: groups[s] for s in configs}, b, m, self.cluster.world_size, est)
+        return Candidate(
+            name, "colocated", configs, {s: groups[s] for s in configs}, b, m, self.cluster.world_size, est
+        )
 
     # -- uniform split --------------------------------------------------------------------------
     def uniform_split(self) -> Candidate | None:
@@ -710,22 +837,18 @@ class Planner:
         step, simulated, bubbles = cand.estimate, False, {}
         reduced = cand if exact else _reduce(cand)
         if reduced is not None and reduced.world_size <= 512 and self.simulate_top:
-            plan = build_plan(
-                self.w.graph, reduced.placement(), reduced.micro_batches, world_size=reduced.world_size
-            )
+            plan = build_plan(self.w.graph, reduced.placement(), reduced.micro_batches, world_size=reduced.world_size)
             durations = self._durations(reduced)
-            sim = simulate(plan, lambda a: durations(a), steps=3)
+            sim = simulate(plan, durations, steps=5)
             step, simulated = sim.step_time, True
-            by_rank = sim.bubble
+            by_rank = bubble_fractions(sim.events, first_step=3)
             groups = plan.groups
-            bubbles = {
-                s: sum(by_rank.get(r, 0.0) for r in g.ranks) / len(g.ranks) for s, g in groups.items()
-            }
+            bubbles = {s: sum(by_rank.get(r, 0.0) for r in g.ranks) / len(g.ranks) for s, g in groups.items()}
             used = sorted({r for g in groups.values() for r in g.ranks})
             mean_bubble = sum(by_rank.get(r, 0.0) for r in used) / len(used)
         else:
             mean_bubble = 0.0
-        g = self.w.global_batch
+        g = cand.global_batch
         flops = sum(self.w.model_flops(s) for s in self.w.order) * g
         peak = self._peak_memory(cand)
         return PlanResult(

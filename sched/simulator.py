@@ -19,7 +19,7 @@ from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from mmpipe.sched.plan import Action, ActionKind, Plan, PlanError, transfer_key
+from mmpipe.sched.plan import Action, ActionKind, Plan, PlanError, send_window, transfer_key
 
 CostFn = Callable[[Action], float]  # seconds an action keeps its rank busy
 COMPUTE = (ActionKind.F, ActionKind.B, ActionKind.STEP)
@@ -34,11 +34,12 @@ class SimResult:
     bubble: dict[int, float]  # per rank: 1 - compute time / wall time of the steady-state steps
 
 
-def simulate(plan: Plan, cost: CostFn, *, steps: int = 4, max_inflight: int = 4) -> SimResult:
-    """Run ``steps`` repetitions of every rank's list; raises :class:`PlanError` on a stall."""
+def simulate(plan: Plan, cost: CostFn, *, steps: int = 4, max_inflight: int | None = None) -> SimResult:
+    """Run ``steps`` repetitions of every rank's list; raises :class:`PlanError` on a stall.
+    ``max_inflight``: the runtime's bound on unreceived sends (default: :func:`send_window`)."""
     if steps < 2:
         raise ValueError(f"simulate needs steps >= 2 to measure a steady state, got {steps}")
-    sim = _Sim(plan, cost, max_inflight)
+    sim = _Sim(plan, cost, max_inflight or send_window(plan))
     step_ends = [sim.run_step(s) for s in range(steps)]
     step_time = (step_ends[-1] - step_ends[0]) / (steps - 1)
     return SimResult(step_time, sim.events, bubble_fractions(sim.events, first_step=2))

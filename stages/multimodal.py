@@ -116,7 +116,10 @@ class MultimodalLLMStage(SourcedStage):
         image_BNH = module.projector(inputs["image_tokens"])
         lm: Any = module.lm
         text_BLH = lm.get_input_embeddings()(inputs["input_ids"])
-        mask_BS = torch.cat([torch.ones(image_BNH.shape[:2], dtype=torch.int64, device=image_BNH.device), inputs["attention_mask"]], dim=1)
+        mask_BS = torch.cat(
+            [torch.ones(image_BNH.shape[:2], dtype=torch.int64, device=image_BNH.device), inputs["attention_mask"]],
+            dim=1,
+        )
         hidden_BSH = lm(inputs_embeds=torch.cat([image_BNH, text_BLH], dim=1), attention_mask=mask_BS).last_hidden_state
         return {"hidden": hidden_BSH, "mask": mask_BS}
 

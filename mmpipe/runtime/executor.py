@@ -29,7 +29,7 @@ from mmpipe.graph import INPUT, Graph
 from mmpipe.runtime.events import EventRecorder
 from mmpipe.runtime.mesh import MeshOwner
 from mmpipe.runtime.transport import isend_tensors, nbytes, recv_tensors
-from mmpipe.sched.plan import Action, ActionKind, Plan, PlanError, overlapping_ranks
+from mmpipe.sched.plan import Action, ActionKind, Plan, PlanError, overlapping_ranks, send_window
 
 BatchFn = Callable[[int], dict[str, torch.Tensor]]  # micro-batch index -> full micro-batch graph inputs
 OptionsFn = Callable[[str, int, tuple[int, int, int]], dict[str, Any]]  # stage, mb, rows -> forward options
@@ -59,7 +59,7 @@ class Executor:
         *,
         batch_size: int,
         events: EventRecorder | None = None,
-        max_inflight_sends: int = 4,
+        max_inflight_sends: int | None = None,
     ) -> None:
         self.graph, self.plan, self.mesh, self.rank = graph, plan, mesh, mesh.rank
         self.groups = plan.groups
@@ -67,7 +67,7 @@ class Executor:
         self.events = events
         # Sends in flight (works + the tensors they read), kept across passes: a rank that only
         # produces for others may run ahead into the next step by up to this many messages.
-        self.max_inflight = max_inflight_sends
+        self.max_inflight = max_inflight_sends or send_window(plan)
         self._inflight: collections.deque[tuple[list[dist.Work], list[torch.Tensor]]] = collections.deque()
         for stage, group in plan.placement:
             if batch_size % group.dp:
