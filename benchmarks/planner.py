@@ -85,7 +85,7 @@ def plan_workloads() -> list[dict]:
 def sim_vs_measured(steps: int, warmup: int) -> list[dict]:
     model, data = ModelConfig(), DataConfig(val_samples=8)
     batch, micro = 8, 4
-    calibration = profile(model, data, batch_size=batch // micro, threads=1)
+    calibration = profile(model, data, micro_sizes=(1, 2), micro_batches=micro, threads=1)
     out = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, (nproc, placement) in CASES.items():
@@ -120,18 +120,21 @@ def sim_vs_measured(steps: int, warmup: int) -> list[dict]:
                 "ratio": round(predicted.step_time / measured, 3),
             }
             out.append(entry)
-            print(f"{name}: predicted {entry['predicted_s']} s/step, measured {entry['measured_s']} (x{entry['ratio']})")
+            print(
+                f"{name}: predicted {entry['predicted_s']} s/step, measured {entry['measured_s']} (x{entry['ratio']})"
+            )
     return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--skip-measured", action="store_true", help="only plan the reference workloads")
+    parser.add_argument("--skip-planning", action="store_true", help="only compare the simulator with real runs")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     args = parser.parse_args()
     os.environ.setdefault("MMPIPE_CACHE", tempfile.mkdtemp(prefix="mmpipe-bench-cache-"))  # cold costing
-    results = plan_workloads()
+    results = [] if args.skip_planning else plan_workloads()
     measured = [] if args.skip_measured else sim_vs_measured(args.steps, args.warmup)
     print(json.dumps({"results": results, "sim_vs_measured": measured}))
 

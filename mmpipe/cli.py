@@ -81,10 +81,27 @@ def _run_profile(raw: dict[str, Any]) -> None:
     from mmpipe.planning import default_calibration_path, profile
 
     cal = profile(
-        cfg.model, cfg.data, batch_size=cfg.batch_size, repeats=cfg.repeats, warmup=cfg.warmup, threads=cfg.threads
+        cfg.model,
+        cfg.data,
+        micro_sizes=(cfg.micro_size, 2 * cfg.micro_size),
+        micro_batches=cfg.micro_batches,
+        steps=cfg.steps,
+        warmup=cfg.warmup,
+        threads=cfg.threads,
     )
-    for stage, eff in cal.stages.items():
-        print(f"{stage:<10} " + "  ".join(f"{k} {v:.3%} of peak" for k, v in eff.items()))
+    for stage, entry in cal.stages.items():
+        parts = [
+            f"{k} {entry[k]:.2%} of peak + {entry[k + '_overhead_s'] * 1e3:.1f} ms"
+            for k in ("forward", "backward")
+            if k in entry
+        ]
+        if "step_s" in entry:
+            parts.append(f"optimizer step {entry['step_s'] * 1e3:.1f} ms")
+        print(f"{stage:<10} " + "; ".join(parts))
+    line = f"per-step overhead {cal.step_overhead_s * 1e3:.1f} ms"
+    if cal.latency_s is not None and cal.bandwidth:
+        line += f"; transport {cal.latency_s * 1e6:.0f} us + {cal.bandwidth / 1e9:.2f} GB/s per message"
+    print(line)
     print(f"calibration: {cal.save(cfg.out or default_calibration_path(cal.device))}")
 
 

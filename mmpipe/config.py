@@ -217,16 +217,19 @@ class ProfileConfig:
 
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
-    batch_size: int = 2
-    repeats: int = 5
+    micro_size: int = 1  # samples per micro-batch of the first run; the second run doubles it
+    micro_batches: int = 4
+    steps: int = 6
     warmup: int = 2
     threads: int = 1
     out: str | None = None
 
     def __post_init__(self) -> None:
-        _positive("profile", self, "batch_size", "repeats")
+        _positive("profile", self, "micro_size", "micro_batches", "steps")
         if self.warmup < 0 or self.threads < 0:
             raise ValueError("warmup and threads must be >= 0")
+        if self.steps <= self.warmup + 1:
+            raise ValueError(f"steps={self.steps} must exceed warmup + 1 = {self.warmup + 1}")
 
 
 def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:

@@ -11,19 +11,16 @@ from __future__ import annotations
 import dataclasses
 import os
 import statistics
-import time
+import tempfile
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from mmpipe.config import DataConfig, ModelConfig, PlanConfig
 from mmpipe.graph import Graph
 from mmpipe.sched.cluster import Cluster
-from mmpipe.sched.cost import ShapeDtype, measure_graph_costs
+from mmpipe.sched.cost import measure_graph_costs
 from mmpipe.sched.plan import DeviceGroup
 from mmpipe.sched.planner import Calibration, Candidate, Planner, PlanReport, PlanResult, Workload
-from mmpipe.sched.schedule import backward_stages
 from mmpipe.workloads import planning_graph
 
 
@@ -107,67 +104,92 @@ def profile(
     model: ModelConfig,
     data: DataConfig,
     *,
-    batch_size: int,
-    repeats: int = 5,
+    micro_sizes: tuple[int, int] = (1, 2),
+    micro_batches: int = 4,
+    steps: int = 6,
     warmup: int = 2,
-    threads: int = 0,
-    peak_flops: float | None = None,
+    threads: int = 1,
+    probe: bool = True,
 ) -> Calibration:
-    """Measure each stage's forward (and backward) time on this machine's CPU; see the module docstring."""
+    """Calibrate the cost model on this machine's CPU from real single-rank training runs.
+
+    The model is trained for ``steps`` steps at two micro-batch sizes; from the recorded events,
+    each stage's median forward / backward time at both sizes gives a fixed part (per action) and
+    a per-sample part, whose FLOPs (from the cost model) over the nominal peak are the efficiency;
+    STEP events give the optimizer time, and the wall time not spent in actions the per-step
+    overhead. ``probe`` also measures the transport's latency and bandwidth between two ranks.
+    """
     if model.arch is not None:
         raise ValueError(f"model {model.name!r} is architecture-only (no weights): profile a model with weights")
-    if threads:
-        torch.set_num_threads(threads)
-    cluster = Cluster.local(1) if peak_flops is None else Cluster.local(1, peak_flops=peak_flops)
+    if not 0 < micro_sizes[0] < micro_sizes[1]:
+        raise ValueError(f"profile needs two growing micro-batch sizes, got {micro_sizes}")
+    if steps <= warmup + 1:
+        raise ValueError(f"profile needs steps > warmup + 1, got steps={steps} warmup={warmup}")
+    from mmpipe.config import LaunchConfig, RunConfig, TrainConfig
+    from mmpipe.runtime.events import read_events
+    from mmpipe.sched.simulator import measured_step_time
+    from mmpipe.train import train
+
+    cluster = Cluster.local(1)
     graph, shapes = planning_graph(model, data)
     costs = measure_graph_costs(graph, shapes)
-    backward = backward_stages(graph)
-    inputs = _random_inputs(graph, shapes, batch_size)
-    values: dict[str, dict[str, Any]] = {"input": inputs}
+    timings: dict[int, dict[tuple[str, str], float]] = {}
+    overheads = []
+    with tempfile.TemporaryDirectory(prefix="mmpipe-profile-") as tmp:
+        for n in micro_sizes:
+            run_dir = Path(tmp) / f"micro{n}"
+            batch = n * micro_batches
+            cfg = RunConfig(
+                run_dir=str(run_dir),
+                model=model,
+                data=dataclasses.replace(data, val_samples=max(data.val_samples, batch)),
+                train=TrainConfig(
+                    steps=steps,
+                    batch_size=batch,
+                    micro_batches=micro_batches,
+                    log_every=steps,
+                    val_every=10 * steps,
+                    ckpt_every=10 * steps,
+                    progress=False,
+                    threads=threads,
+                ),
+                launch=LaunchConfig(nproc=1),
+            )
+            train(cfg)
+            events = [e for e in read_events(run_dir) if e["phase"] == "train" and e["step"] > warmup]
+            samples: dict[tuple[str, str], list[float]] = {}
+            for e in events:
+                samples.setdefault((e["stage"], e["kind"]), []).append(e["end"] - e["start"])
+            timings[n] = {k: statistics.median(v) for k, v in samples.items()}
+            wall = measured_step_time(read_events(run_dir), first_step=warmup + 1, last_step=steps)
+            busy = sum(e["end"] - e["start"] for e in events) / (steps - warmup)
+            overheads.append(max(0.0, wall - busy))
+    (n1, n2), (t1, t2) = micro_sizes, (timings[micro_sizes[0]], timings[micro_sizes[1]])
     stages: dict[str, dict[str, float]] = {}
     for name in graph.topological_order():
-        stage = graph.stages[name]
-        module = stage.module
-        feed = {e.dst_port: values[e.src][e.src_port] for e in graph.producers(name) if e.src_port in values[e.src]}
-        fwd_times, bwd_times = [], []
-        out: dict[str, Any] = {}
-        for i in range(warmup + repeats):
-            module.zero_grad(set_to_none=True)
-            leaf = {k: v.detach().requires_grad_(name in backward and v.is_floating_point()) for k, v in feed.items()}
-            t0 = time.perf_counter()
-            with torch.set_grad_enabled(name in backward):
-                out = stage.forward(module, leaf, seed=i)
-            t1 = time.perf_counter()
-            if name in backward:
-                tensors = [t for t in out.values() if isinstance(t, torch.Tensor) and t.requires_grad]
-                torch.autograd.backward(tensors, [torch.ones_like(t) for t in tensors])
-            t2 = time.perf_counter()
-            if i >= warmup:
-                fwd_times.append(t1 - t0)
-                bwd_times.append(t2 - t1)
-        values[name] = {k: v.detach() for k, v in out.items() if isinstance(v, torch.Tensor)}
-        c = costs[name]
-        entry = {"forward": batch_size * c.forward_flops / cluster.peak_flops / statistics.median(fwd_times)}
-        if name in backward and c.backward_flops:
-            entry["backward"] = batch_size * c.backward_flops / cluster.peak_flops / statistics.median(bwd_times)
+        entry: dict[str, float] = {}
+        for kind, direction, flops in (
+            ("F", "forward", costs[name].forward_flops),
+            ("B", "backward", costs[name].backward_flops),
+        ):
+            if (name, kind) not in t2 or not flops:
+                continue
+            per_sample = (t2[(name, kind)] - t1[(name, kind)]) / (n2 - n1)
+            if per_sample <= 0:  # within noise: attribute all of it to the samples
+                per_sample, fixed = t2[(name, kind)] / n2, 0.0
+            else:
+                fixed = max(0.0, t1[(name, kind)] - n1 * per_sample)
+            entry[direction] = flops / (cluster.peak_flops * per_sample)
+            entry[f"{direction}_overhead_s"] = fixed
+        if (name, "STEP") in t2:
+            entry["step_s"] = t2[(name, "STEP")]
         stages[name] = entry
-    return Calibration(cluster.device, cluster.peak_flops, stages)
+    latency, bandwidth = None, None
+    if probe:
+        from mmpipe.runtime.probe import probe_transport
 
-
-def _random_inputs(graph: Graph, shapes: dict[str, ShapeDtype], batch: int) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(0)
-    out = {}
-    for name, (shape, dtype) in shapes.items():
-        full = (batch, *shape[1:])
-        if name == "input_ids":
-            stage = next(graph.stages[e.dst] for e in graph.edges if e.src == "input" and e.src_port == name)
-            vocab = len(getattr(stage, "tokenizer", None) or []) or 8
-            out[name] = torch.randint(0, vocab, full, generator=gen)
-        elif not dtype.is_floating_point:
-            out[name] = torch.ones(full, dtype=dtype)
-        else:
-            out[name] = torch.rand(full, generator=gen, dtype=dtype) * 2 - 1
-    return out
+        latency, bandwidth = probe_transport()
+    return Calibration(cluster.device, cluster.peak_flops, stages, statistics.median(overheads), latency, bandwidth)
 
 
 def default_calibration_path(device: str = "cpu") -> Path:

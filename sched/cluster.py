@@ -39,6 +39,8 @@ class Cluster:
     host_bandwidth: float = 5.0e10  # bytes/s per device to host memory (activation offload)
     host_memory_bytes: float = 2.5e11  # host memory per device available for offloaded activations
     latency: float = 1e-5  # seconds per point-to-point message
+    dtype_bytes: int = 2  # bytes per parameter / activation element on the wire (bf16)
+    overlap_collectives: bool = True  # collectives run on their own stream, hidden behind compute
     efficiency: float = 0.45  # achieved / peak FLOP/s of a stage without a calibration for this device
 
     def __post_init__(self) -> None:
@@ -132,5 +134,7 @@ class Cluster:
             host_bandwidth=5e9,
             host_memory_bytes=memory,
             latency=3e-4,  # gloo over loopback TCP
+            dtype_bytes=4,  # CPU runs train in float32
+            overlap_collectives=False,  # gloo collectives block the rank
             efficiency=1.0,
         )

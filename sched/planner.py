@@ -54,19 +54,32 @@ SEND_BUFFERS = 4  # the runtime's bound on unreceived sends (max in-flight messa
 # ---- calibration -------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Calibration:
-    """Measured efficiency (achieved / peak FLOP/s) per stage and direction on one device kind."""
+    """What ``mmpipe profile`` measured on one device kind.
+
+    Per stage: the achieved fraction of peak FLOP/s of its forward and backward
+    (``forward``/``backward``), a fixed cost per action (``forward_overhead_s`` /
+    ``backward_overhead_s``: launch and framework time that does not scale with the batch) and its
+    optimizer step (``step_s``); per run: the per-step overhead outside actions and the transport's
+    per-message latency and bandwidth.
+    """
 
     device: str
     peak_flops: float
-    stages: Mapping[str, Mapping[str, float]]  # stage -> {"forward": e, "backward": e}
+    stages: Mapping[str, Mapping[str, float]]
+    step_overhead_s: float = 0.0
+    latency_s: float | None = None
+    bandwidth: float | None = None
 
     def efficiency(self, stage: str, direction: str, default: float) -> float:
         return float(self.stages.get(stage, {}).get(direction, default))
 
+    def value(self, stage: str, key: str) -> float:
+        return float(self.stages.get(stage, {}).get(key, 0.0))
+
     def save(self, path: str | Path) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        raw = {"device": self.device, "peak_flops": self.peak_flops, "stages": dict(self.stages)}
+        raw = dataclasses.asdict(self) | {"stages": {k: dict(v) for k, v in self.stages.items()}}
         path.write_text(json.dumps(raw, indent=2) + "\n")
         return path
 
@@ -74,8 +87,15 @@ class Calibration:
     def load(cls, path: str | Path) -> Calibration:
         try:
             raw = json.loads(Path(path).read_text())
-            return cls(str(raw["device"]), float(raw["peak_flops"]), dict(raw["stages"]))
-        except (OSError, ValueError, KeyError, TypeError) as e:
+            return cls(
+                str(raw["device"]),
+                float(raw["peak_flops"]),
+                {str(k): {str(a): float(b) for a, b in v.items()} for k, v in raw["stages"].items()},
+                float(raw.get("step_overhead_s", 0.0)),
+                raw.get("latency_s"),
+                raw.get("bandwidth"),
+            )
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"{str(path)!r} is not a calibration file written by `mmpipe profile`: {e}") from e
 
 
@@ -137,6 +157,7 @@ class StageConfig:
     backward_s: float = 0.0  # backward + recomputation, exposed communication included
     memory: float = 0.0  # peak bytes per rank
     inflight: int = 1
+    sync_s: float = 0.0  # gradient reduce-scatter, once per step (in the last micro-batch's backward)
 
     @property
     def ranks(self) -> int:
@@ -154,10 +175,18 @@ class CostModel:
         self.cluster, self.w, self.cal = cluster, workload, calibration
         self.budget = cluster.memory_bytes * USABLE_MEMORY
 
+    @property
+    def calibrated(self) -> Calibration | None:
+        """The calibration when it was measured on this cluster's device kind."""
+        return self.cal if self.cal is not None and self.cal.device == self.cluster.device else None
+
     def efficiency(self, stage: str, direction: str) -> float:
-        if self.cal is not None and self.cal.device == self.cluster.device:
-            return self.cal.efficiency(stage, direction, self.cluster.efficiency)
-        return self.cluster.efficiency
+        cal = self.calibrated
+        return cal.efficiency(stage, direction, self.cluster.efficiency) if cal else self.cluster.efficiency
+
+    def overhead(self, stage: str, key: str) -> float:
+        cal = self.calibrated
+        return cal.value(stage, key) if cal else 0.0
 
     def rate(self, stage: str, direction: str) -> float:
         return self.cluster.peak_flops * self.efficiency(stage, direction)
@@ -185,8 +214,10 @@ class CostModel:
         group = dp * sp
         train = stage in w.backward
         trainable = stage in w.trainable
-        fwd = n * c.forward_flops / sp / self.rate(stage, "forward")
-        bwd = n * c.backward_flops / sp / self.rate(stage, "backward") if train else 0.0
+        fwd = self.overhead(stage, "forward_overhead_s") + n * c.forward_flops / sp / self.rate(stage, "forward")
+        bwd = 0.0
+        if train:
+            bwd = self.overhead(stage, "backward_overhead_s") + n * c.backward_flops / sp / self.rate(stage, "backward")
         rec = recompute * n * c.block_flops / sp / self.rate(stage, "forward") if train else 0.0
         # Ulysses: four all-to-alls per block (q, k, v, out) each way, of this rank's shard.
         a2a_f = a2a_b = 0.0
@@ -203,19 +234,22 @@ class CostModel:
             attn = n * c.attention_flops / c.blocks / sp / self.rate(stage, "forward")
             ring_f = c.blocks * max(0.0, (ring - 1) * step - attn)
             ring_b = c.blocks * max(0.0, 2 * (ring - 1) * step - 2.5 * attn) if train else 0.0
-        # FSDP traffic per micro-batch, overlapped with compute.
-        fsdp = 0.0
-        replicate = not trainable and 2 * c.params <= 0.25 * self.budget
+        # FSDP traffic: parameters gathered for the forward (and again for the backward and any
+        # recomputation) of every micro-batch; gradients reduce-scattered once per step.
+        fsdp = sync = 0.0
+        width = self.cluster.dtype_bytes
+        replicate = not trainable and width * c.params <= 0.25 * self.budget
         if group > 1 and (trainable or not replicate):
-            gather = self.cluster.collective_seconds("all_gather", 2 * c.params, self._span(group))
+            gather = self.collective("all_gather", width * c.params, group)
             fsdp = gather * (2 + recompute if train else 1)
             if trainable:
-                fsdp += self.cluster.collective_seconds("reduce_scatter", 4 * c.params, self._span(group))
+                sync = self.collective("reduce_scatter", width * c.params, group)
         # Offload of saved activations to host memory and back, overlapped with compute.
         moved = offload * (1 - recompute) * n * c.block_activation_bytes / sp if train else 0.0
         offload_s = 2 * moved / self.cluster.host_bandwidth
         compute = fwd + bwd + rec
-        exposed = max(0.0, fsdp - compute) + max(0.0, offload_s - compute)
+        hidden = compute if self.cluster.overlap_collectives else 0.0
+        exposed = max(0.0, fsdp - hidden) + max(0.0, offload_s - compute)
         forward_s = fwd + a2a_f + ring_f
         backward_s = bwd + rec + a2a_b + ring_b + exposed if train else 0.0
         if not train:
@@ -223,11 +257,11 @@ class CostModel:
         # Memory per rank.
         block_params = c.params / max(c.blocks, 1)
         if trainable:
-            weights = ADAM_BYTES * c.params / group + 2 * 2 * block_params
+            weights = ADAM_BYTES * c.params / group + 2 * width * block_params
         elif replicate or group == 1:
-            weights = 2 * c.params
+            weights = width * c.params
         else:
-            weights = 2 * c.params / group + 2 * 2 * block_params
+            weights = width * c.params / group + 2 * width * block_params
         if train:
             kept = (1 - recompute) * (1 - offload) * c.block_activation_bytes + recompute * c.block_input_bytes
             per_mb = n / sp * (c.activation_bytes - c.block_activation_bytes + kept)
@@ -239,7 +273,16 @@ class CostModel:
         memory = reserved + weights + acts + buffers
         if inflight * moved > self.cluster.host_memory_bytes:
             memory = math.inf  # the offloaded activations do not fit host memory
-        return StageConfig(stage, dp, ulysses, ring, recompute, offload, n, forward_s, backward_s, memory, inflight)
+        return StageConfig(
+            stage, dp, ulysses, ring, recompute, offload, n, forward_s, backward_s, memory, inflight, sync
+        )
+
+    def collective(self, kind: str, nbytes: float, ranks: int) -> float:
+        """A ring collective over ``ranks`` consecutive ranks; the measured transport when calibrated."""
+        cal = self.calibrated
+        if cal is not None and cal.latency_s is not None and cal.bandwidth and ranks > 1:
+            return (ranks - 1) * (cal.latency_s + nbytes / ranks / cal.bandwidth)
+        return self.cluster.collective_seconds(kind, nbytes, self._span(ranks))
 
     def costs(self, stage: str) -> StageCost:
         return self.w.costs[stage]
@@ -744,6 +787,7 @@ class Planner:
         frozen = [m * c.time for s, c in configs.items() if s not in self.w.backward]
         chain = [c.time for s, c in configs.items() if s in self.w.backward]
         train = sum(chain) + (m - 1) * max(chain) if chain else 0.0  # 1F1B: fill + steady state
+        train += max((c.sync_s for c in configs.values()), default=0.0)
         return max([*frozen, train])
 
     # -- colocated ------------------------------------------------------------------------------
@@ -796,7 +840,7 @@ class Planner:
             if s not in self.w.backward or best.ranks < ranks:
                 reserved += best.memory
         configs = {s: configs[s] for s in self.w.order}
-        est = m * sum(c.time for c in configs.values())
+        est = m * sum(c.time for c in configs.values()) + sum(c.sync_s for c in configs.values())
         name = "colocated" if sequence_parallel else "colocated-sequential"
         return Candidate(
             name, "colocated", configs, {s: groups[s] for s in configs}, b, m, self.cluster.world_size, est
@@ -841,6 +885,8 @@ class Planner:
             durations = self._durations(reduced)
             sim = simulate(plan, durations, steps=5)
             step, simulated = sim.step_time, True
+            if self.model.calibrated is not None:
+                step += self.model.calibrated.step_overhead_s  # metrics, logging: once per step
             by_rank = bubble_fractions(sim.events, first_step=3)
             groups = plan.groups
             bubbles = {s: sum(by_rank.get(r, 0.0) for r in g.ranks) / len(g.ranks) for s, g in groups.items()}
@@ -877,13 +923,18 @@ class Planner:
         costs = self.w.costs
         bw = self.cluster.network_bandwidth if cand.layout == "disaggregated" else self.cluster.levels[0].bandwidth
         latency = self.cluster.latency
+        cal = self.model.calibrated
+        if cal is not None and cal.latency_s is not None and cal.bandwidth:
+            latency, bw = cal.latency_s, cal.bandwidth  # the measured local transport
 
         def cost(a: Action) -> float:
             c = cfgs[a.stage]
             if a.kind == ActionKind.F:
                 return c.forward_s
             if a.kind == ActionKind.B:
-                return c.backward_s
+                return c.backward_s + (c.sync_s if a.mb == cand.micro_batches - 1 else 0.0)
+            if a.kind == ActionKind.STEP:
+                return self.model.overhead(a.stage, "step_s")
             if a.kind in (ActionKind.SEND, ActionKind.SEND_GRAD):
                 rows = cand.micro_batch / max(c.dp, cfgs[a.dst].dp) if a.dst else 1
                 return latency + rows * costs[a.stage].output_bytes / bw

@@ -1,0 +1,59 @@
+"""A point-to-point probe of the local transport: two gloo processes ping-pong messages of two
+sizes through :mod:`mmpipe.runtime.transport`; the fit gives per-message latency and bandwidth."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from mmpipe.runtime.launch import free_port
+from mmpipe.runtime.transport import isend_tensors, recv_tensors
+
+SIZES = (1 << 10, 1 << 22)  # bytes: latency-bound and bandwidth-bound messages
+ROUNDS = 20
+
+
+def _worker(rank: int, port: int, queue: mp.SimpleQueue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    try:
+        out = {}
+        for size in SIZES:
+            payload = [torch.zeros(size // 4)]
+            times = []
+            for i in range(ROUNDS + 2):
+                t0 = time.perf_counter()
+                if rank == 0:
+                    for w in isend_tensors(payload, 1, tag=i):
+                        w.wait()
+                    recv_tensors(1, tag=i, expected=1)
+                else:
+                    recv_tensors(0, tag=i, expected=1)
+                    for w in isend_tensors(payload, 0, tag=i):
+                        w.wait()
+                if i >= 2:
+                    times.append((time.perf_counter() - t0) / 2)  # one direction
+            out[size] = statistics.median(times)
+        if rank == 0:
+            queue.put(out)
+    finally:
+        dist.destroy_process_group()
+
+
+def probe_transport() -> tuple[float, float]:
+    """``(latency seconds, bandwidth bytes/s)`` of one message between two local ranks."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    mp.start_processes(_worker, args=(free_port(), queue), nprocs=2, start_method="spawn")
+    times = queue.get()
+    small, large = SIZES
+    bandwidth = (large - small) / max(times[large] - times[small], 1e-9)
+    latency = max(times[small] - small / bandwidth, 0.0)
+    return latency, bandwidth
