@@ -254,7 +254,10 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        for arg in (a for a in args if a is not type(None)):
+        options = [a for a in args if a is not type(None)]
+        if len(options) == 1:  # Optional[X]: X's own error names the offending key and value
+            return _coerce(options[0], value, key)
+        for arg in options:
             try:
                 return _coerce(arg, value, key)
             except ValueError:
@@ -277,8 +280,11 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
 
 def _type_name(tp: Any) -> str:
     args = [a for a in typing.get_args(tp) if a is not type(None)]
-    if typing.get_origin(tp) in (typing.Union, types.UnionType) and len(args) == 1:
-        return f"{_type_name(args[0])} or null"
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        names = [_type_name(a) for a in args] + (["null"] if type(None) in typing.get_args(tp) else [])
+        return " or ".join(names)
+    if typing.get_origin(tp) is Literal:
+        return " or ".join(repr(a) for a in typing.get_args(tp))
     if typing.get_origin(tp) is dict:
         return "a mapping"
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")

@@ -267,6 +267,11 @@ def prepare_run(cfg: RunConfig) -> tuple[Path, Graph]:
 
 def train(cfg: RunConfig) -> TrainResult:
     """Train the trainable stages of the text-to-video graph on ``launch.nproc`` local ranks."""
+    if cfg.model.arch is not None and cfg.model.path is None:
+        raise ValueError(
+            f"model {cfg.model.name!r} is an architecture-only preset (no weights): plan it with "
+            f"`mmpipe plan model={cfg.model.name}`, or train local weights with model.path=DIR"
+        )
     check_placement(cfg)
     run_dir, graph = prepare_run(cfg)
     if cfg.placement == "auto":
