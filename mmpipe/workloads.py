@@ -56,8 +56,9 @@ def sample_inputs(graph: Graph, text_len: int, frames: int, height: int, width: 
         elif name == "video":
             shapes[name] = ((1, 3, frames, height, width), torch.float32)
         elif name == "pixel_values":
-            size = spec.shape[-1]
-            assert isinstance(size, int)
+            size = spec.shape[-1] if spec.shape else None
+            if not isinstance(size, int):
+                raise ValueError(f"graph input {name!r} needs a fixed image size, got {spec.shape}")
             shapes[name] = ((1, 3, size, size), torch.float32)
         else:
             raise ValueError(f"graph input {name!r} has no per-sample shape rule")

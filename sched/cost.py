@@ -80,12 +80,17 @@ def build_meta_module(stage: Stage, dtype: torch.dtype = torch.bfloat16) -> nn.M
     with torch.device("meta"), _quiet():
         if builder is not None:
             module = builder()
-        elif isinstance(source.config, PretrainedConfig):
-            module = AutoModel.from_config(source.config) if model_cls is AutoModel else model_cls(source.config)
         else:
-            module = model_cls.from_config(dict(source.config))
+            assert source is not None and model_cls is not None
+            module = _from_config(model_cls, source.config)
     with _quiet():
         return module.to(dtype)
+
+
+def _from_config(model_cls: Any, config: Any) -> nn.Module:
+    if isinstance(config, PretrainedConfig):
+        return AutoModel.from_config(config) if model_cls is AutoModel else model_cls(config)
+    return model_cls.from_config(dict(config))
 
 
 @contextlib.contextmanager

@@ -131,6 +131,10 @@ class DeviceGroup:
     def _index(self) -> dict[int, int]:
         return {r: i for i, r in enumerate(self.ranks)}
 
+    def __contains__(self, rank: object) -> bool:
+        """Whether ``rank`` is in the group (constant time)."""
+        return rank in self._index
+
     def replica(self, rank: int) -> int:
         """The data-parallel replica ``rank`` belongs to (replicas are ``sp`` consecutive ranks)."""
         return self._index[rank] // self.sp
@@ -142,7 +146,7 @@ class DeviceGroup:
         return i * size, (i + 1) * size
 
     def __str__(self) -> str:
-        return f"ranks={_ranges(self.ranks)} {self.options()}"
+        return f"ranks=[{format_ranks(self.ranks)}] {self.options()}"
 
     def options(self) -> str:
         """``dp=.. [ulysses=..] [ring=..] [recompute=..] [offload=..]`` (non-default ones)."""
@@ -152,16 +156,18 @@ class DeviceGroup:
         return " ".join(out)
 
 
-def _ranges(ranks: Sequence[int]) -> str:
-    """``[0-3,8]`` for ranks 0, 1, 2, 3, 8."""
-    parts, start = [], None
-    for i, r in enumerate(ranks):
-        if start is None:
-            start = r
-        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
-            parts.append(f"{start}" if start == r else f"{start}-{r}")
-            start = None
-    return "[" + ",".join(parts) + "]"
+def format_ranks(ranks: Sequence[int], *, max_runs: int | None = None) -> str:
+    """``0-3,8`` for ranks 0, 1, 2, 3, 8; with more than ``max_runs`` runs, ``first,...,last (count)``."""
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    parts = [f"{a}" if a == b else f"{a}-{b}" for a, b in runs]
+    if max_runs is not None and len(parts) > max_runs:
+        return f"{parts[0]},...,{parts[-1]} ({len(ranks)})"
+    return ",".join(parts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,11 +184,20 @@ class Plan:
 
     def producers(self, stage: str) -> list[str]:
         """Stages feeding ``stage``."""
-        return [p for p, c in self.edges if c == stage]
+        return self._neighbours[0].get(stage, [])
 
     def consumers(self, stage: str) -> list[str]:
         """Stages fed by ``stage``."""
-        return [c for p, c in self.edges if p == stage]
+        return self._neighbours[1].get(stage, [])
+
+    @functools.cached_property
+    def _neighbours(self) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+        producers: dict[str, list[str]] = {}
+        consumers: dict[str, list[str]] = {}
+        for p, c in self.edges:
+            producers.setdefault(c, []).append(p)
+            consumers.setdefault(p, []).append(c)
+        return producers, consumers
 
     @functools.cached_property
     def groups(self) -> dict[str, DeviceGroup]:
@@ -191,7 +206,7 @@ class Plan:
 
     def stages_on(self, rank: int) -> list[str]:
         """Stages placed on ``rank`` (placement order)."""
-        return [s for s, g in self.placement if rank in g.ranks]
+        return [s for s, g in self.placement if rank in g]
 
     # ---- text form ----------------------------------------------------------------------------
     def to_text(self) -> str:
@@ -228,9 +243,15 @@ class Plan:
                 unknown = set(opts) - {"dp", "ulysses", "ring", "recompute", "offload"}
                 if unknown:
                     raise PlanError(f"line {n}: unknown placement options {sorted(unknown)}")
-                ints = {k: int(v) for k, v in opts.items() if k in ("dp", "ulysses", "ring")}
-                floats = {k: float(v) for k, v in opts.items() if k in ("recompute", "offload")}
-                placement.append((m[1], DeviceGroup(tuple(int(r) for r in m[2].split(",")), **ints, **floats)))
+                group = DeviceGroup(
+                    tuple(int(r) for r in m[2].split(",")),
+                    dp=int(opts.get("dp", 1)),
+                    ulysses=int(opts.get("ulysses", 1)),
+                    ring=int(opts.get("ring", 1)),
+                    recompute=float(opts.get("recompute", 0)),
+                    offload=float(opts.get("offload", 0)),
+                )
+                placement.append((m[1], group))
             elif head == "edge":
                 src, _, dst = rest.partition("->")
                 edges.append((src, dst))
@@ -370,7 +391,7 @@ def _static_problem(plan: Plan, rank: int, a: Action) -> str | None:
     if a.peer is not None and not 0 <= a.peer < plan.world_size:
         return f"peer rank {a.peer} outside world_size {plan.world_size}"
     owner = a.dst if a.kind in (ActionKind.RECV, ActionKind.SEND_GRAD) and a.dst is not None else a.stage
-    if rank not in groups[owner].ranks:
+    if rank not in groups[owner]:
         return f"stage {owner!r} is not placed on rank {rank} ({groups[owner]})"
     return None
 
@@ -435,10 +456,14 @@ def parse_placement(raw: Mapping[str, Sequence[int] | Mapping[str, object]]) -> 
             if unknown:
                 raise PlanError(f"placement.{stage}: unknown keys {sorted(unknown)} (allowed: {sorted(allowed)})")
             ranks = spec.get("ranks")
-            extra = {k: spec[k] for k in ("ulysses", "ring", "recompute", "offload") if k in spec}
-            for k, v in extra.items():
+            extra: dict[str, float] = {}
+            for k in ("ulysses", "ring", "recompute", "offload"):
+                v = spec.get(k)
+                if v is None:
+                    continue
                 if not isinstance(v, int | float) or isinstance(v, bool):
                     raise PlanError(f"placement.{stage}.{k} must be a number, got {v!r}")
+                extra[k] = float(v)
             sp = int(extra.get("ulysses", 1)) * int(extra.get("ring", 1))
             dp = spec.get("dp", len(ranks) // max(sp, 1) if isinstance(ranks, Sequence) else 1)
         else:
@@ -447,5 +472,12 @@ def parse_placement(raw: Mapping[str, Sequence[int] | Mapping[str, object]]) -> 
             raise PlanError(f"placement.{stage}: ranks must be a list of ints, got {ranks!r}")
         if not isinstance(dp, int):
             raise PlanError(f"placement.{stage}: dp must be an int, got {dp!r}")
-        out[stage] = DeviceGroup(tuple(ranks), dp, **extra)  # type: ignore[arg-type]
+        out[stage] = DeviceGroup(
+            tuple(ranks),
+            dp,
+            ulysses=int(extra.get("ulysses", 1)),
+            ring=int(extra.get("ring", 1)),
+            recompute=extra.get("recompute", 0.0),
+            offload=extra.get("offload", 0.0),
+        )
     return out

@@ -39,7 +39,7 @@ from typing import Any
 
 from mmpipe.sched.cluster import Cluster
 from mmpipe.sched.cost import StageCost
-from mmpipe.sched.plan import Action, ActionKind, DeviceGroup, Plan, PlanError
+from mmpipe.sched.plan import Action, ActionKind, DeviceGroup, Plan, PlanError, format_ranks
 from mmpipe.sched.schedule import GraphInfo, ScheduleKind, backward_stages, build_plan
 from mmpipe.sched.simulator import bubble_fractions, simulate
 
@@ -353,7 +353,7 @@ class PlanResult:
             "fits_memory": self.fits_memory,
             "stages": {
                 s: {
-                    "ranks": _ranges(cand.ranks[s]),
+                    "ranks": format_ranks(cand.ranks[s], max_runs=3),
                     "dp": c.dp,
                     "ulysses": c.ulysses,
                     "ring": c.ring,
@@ -427,7 +427,7 @@ class PlanReport:
         ]
         for s, c in cand.configs.items():
             lines.append(
-                f"{s:<10} {_ranges(cand.ranks[s]):>13} {c.dp:>5} {c.ulysses:>4} {c.ring:>4} "
+                f"{s:<10} {format_ranks(cand.ranks[s], max_runs=3):>13} {c.dp:>5} {c.ulysses:>4} {c.ring:>4} "
                 f"{c.recompute:>6.2f} {c.offload:>5.2f} {c.forward_s:>9.3f} {c.backward_s:>9.3f} "
                 f"{best.peak_memory[s] / gb:>7.1f} {best.stage_bubble.get(s, 0.0):>6.1%}"
             )
@@ -502,10 +502,10 @@ class Planner:
     def plan(self) -> PlanReport:
         t0 = time.perf_counter()
         n = self.cluster.world_size
-        cands = self.disaggregated() + self.colocated(sequence_parallel=True)
+        found = self.disaggregated() + self.colocated(sequence_parallel=True)
         if self.batch_is_cap:
-            cands += self.disaggregated_capped()
-        cands = [c for c in cands if c is not None]
+            found += self.disaggregated_capped()
+        cands = [c for c in found if c is not None]
         if not cands:
             raise ValueError(
                 f"no configuration of {self.w.name} fits {self.cluster.name}: "
@@ -963,23 +963,6 @@ def _reduce(cand: Candidate) -> Candidate | None:
             ranks[s], at = tuple(range(at, at + configs[s].ranks)), at + configs[s].ranks
         size = at
     return dataclasses.replace(cand, configs=configs, ranks=ranks, micro_batch=cand.micro_batch // k, world_size=size)
-
-
-def _ranges(ranks: Sequence[int]) -> str:
-    """``0-3,8`` for ranks 0, 1, 2, 3, 8."""
-    parts: list[str] = []
-    start = prev = None
-    for r in ranks:
-        if start is None:
-            start = prev = r
-        elif r == prev + 1:
-            prev = r
-        else:
-            parts.append(f"{start}" if start == prev else f"{start}-{prev}")
-            start = prev = r
-    if start is not None:
-        parts.append(f"{start}" if start == prev else f"{start}-{prev}")
-    return ",".join(parts) if len(parts) <= 3 else f"{parts[0]},...,{parts[-1]} ({len(ranks)})"
 
 
 def _divisors(n: int) -> list[int]:

@@ -117,7 +117,7 @@ def _backward_unit(plan: Plan, rank: int, local: Sequence[str], mb: int) -> list
 def _rank_actions(
     plan: Plan, rank: int, order: Sequence[str], depth: int | None, schedule: ScheduleKind
 ) -> list[Action]:
-    local = [s for s in order if rank in plan.groups[s].ranks]
+    local = [s for s in order if rank in plan.groups[s]]
     n = plan.micro_batches
     fwd = [_forward_unit(plan, rank, local, m) for m in range(n)]
     bwd = [_backward_unit(plan, rank, local, m) for m in range(n)]
