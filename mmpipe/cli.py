@@ -101,6 +101,8 @@ def _run_profile(raw: dict[str, Any]) -> None:
     line = f"per-step overhead {cal.step_overhead_s * 1e3:.1f} ms"
     if cal.latency_s is not None and cal.bandwidth:
         line += f"; transport {cal.latency_s * 1e6:.0f} us + {cal.bandwidth / 1e9:.2f} GB/s per message"
+    if cal.collective_latency_s is not None and cal.collective_bandwidth:
+        line += f", all-gather {cal.collective_latency_s * 1e6:.0f} us + {cal.collective_bandwidth / 1e9:.2f} GB/s"
     print(line)
     print(f"calibration: {cal.save(cfg.out or default_calibration_path(cal.device))}")
 

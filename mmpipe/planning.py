@@ -184,12 +184,12 @@ def profile(
         if (name, "STEP") in t2:
             entry["step_s"] = t2[(name, "STEP")]
         stages[name] = entry
-    latency, bandwidth = None, None
+    transport: dict[str, float] = {}
     if probe:
         from mmpipe.runtime.probe import probe_transport
 
-        latency, bandwidth = probe_transport()
-    return Calibration(cluster.device, cluster.peak_flops, stages, statistics.median(overheads), latency, bandwidth)
+        transport = probe_transport()
+    return Calibration(cluster.device, cluster.peak_flops, stages, statistics.median(overheads), **transport)
 
 
 def default_calibration_path(device: str = "cpu") -> Path:

@@ -69,6 +69,8 @@ class Calibration:
     step_overhead_s: float = 0.0
     latency_s: float | None = None
     bandwidth: float | None = None
+    collective_latency_s: float | None = None
+    collective_bandwidth: float | None = None
 
     def efficiency(self, stage: str, direction: str, default: float) -> float:
         return float(self.stages.get(stage, {}).get(direction, default))
@@ -94,6 +96,8 @@ class Calibration:
                 float(raw.get("step_overhead_s", 0.0)),
                 raw.get("latency_s"),
                 raw.get("bandwidth"),
+                raw.get("collective_latency_s"),
+                raw.get("collective_bandwidth"),
             )
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"{str(path)!r} is not a calibration file written by `mmpipe profile`: {e}") from e
@@ -280,8 +284,9 @@ class CostModel:
     def collective(self, kind: str, nbytes: float, ranks: int) -> float:
         """A ring collective over ``ranks`` consecutive ranks; the measured transport when calibrated."""
         cal = self.calibrated
-        if cal is not None and cal.latency_s is not None and cal.bandwidth and ranks > 1:
-            return (ranks - 1) * (cal.latency_s + nbytes / ranks / cal.bandwidth)
+        if cal is not None and cal.collective_latency_s is not None and cal.collective_bandwidth and ranks > 1:
+            # measured between two ranks; a ring over more ranks takes ranks - 1 such steps
+            return (ranks - 1) * (cal.collective_latency_s + nbytes / cal.collective_bandwidth)
         return self.cluster.collective_seconds(kind, nbytes, self._span(ranks))
 
     def costs(self, stage: str) -> StageCost:

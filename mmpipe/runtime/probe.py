@@ -1,5 +1,6 @@
-"""A point-to-point probe of the local transport: two gloo processes ping-pong messages of two
-sizes through :mod:`mmpipe.runtime.transport`; the fit gives per-message latency and bandwidth."""
+"""A probe of the local transport: two gloo processes ping-pong messages of two sizes through
+:mod:`mmpipe.runtime.transport`, and all-gather tensors of two sizes as FSDP does; linear fits
+give per-message and per-collective latency and bandwidth."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from mmpipe.runtime.launch import free_port
 from mmpipe.runtime.transport import isend_tensors, recv_tensors
 
 SIZES = (1 << 10, 1 << 22)  # bytes: latency-bound and bandwidth-bound messages
+COLLECTIVE_SIZES = (1 << 20, 1 << 24)
 ROUNDS = 20
 
 
@@ -41,19 +43,37 @@ def _worker(rank: int, port: int, queue: mp.SimpleQueue) -> None:
                 if i >= 2:
                     times.append((time.perf_counter() - t0) / 2)  # one direction
             out[size] = statistics.median(times)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        for size in COLLECTIVE_SIZES:  # bytes gathered (the output), as FSDP's parameter all-gather
+            shard = torch.zeros(size // 4 // 2)
+            full = torch.empty(size // 4)
+            times = []
+            for i in range(ROUNDS + 2):
+                dist.barrier()
+                t0 = time.perf_counter()
+                gather(full, shard)
+                if i >= 2:
+                    times.append(time.perf_counter() - t0)
+            out[("all_gather", size)] = statistics.median(times)
         if rank == 0:
             queue.put(out)
     finally:
         dist.destroy_process_group()
 
 
-def probe_transport() -> tuple[float, float]:
-    """``(latency seconds, bandwidth bytes/s)`` of one message between two local ranks."""
+def probe_transport() -> dict[str, float]:
+    """Two local ranks' ``latency_s`` / ``bandwidth`` (one point-to-point message) and
+    ``collective_latency_s`` / ``collective_bandwidth`` (an all-gather over both, by output bytes)."""
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     mp.start_processes(_worker, args=(free_port(), queue), nprocs=2, start_method="spawn")
     times = queue.get()
-    small, large = SIZES
-    bandwidth = (large - small) / max(times[large] - times[small], 1e-9)
-    latency = max(times[small] - small / bandwidth, 0.0)
-    return latency, bandwidth
+    out = {}
+    for prefix, (small, large), key in (
+        ("", SIZES, lambda n: n),
+        ("collective_", COLLECTIVE_SIZES, lambda n: ("all_gather", n)),
+    ):
+        bandwidth = (large - small) / max(times[key(large)] - times[key(small)], 1e-9)
+        out[f"{prefix}latency_s"] = max(times[key(small)] - small / bandwidth, 0.0)
+        out[f"{prefix}bandwidth"] = bandwidth
+    return out
