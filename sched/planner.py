@@ -33,7 +33,7 @@ import dataclasses
 import json
 import math
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,7 @@ RING = (1, 2, 4, 8)
 USABLE_MEMORY = 0.9  # of device memory: the rest is the framework's, fragmentation, buffers
 ADAM_BYTES = 16  # fp32 master weight + fp32 gradient + two fp32 Adam moments, per parameter
 SEND_BUFFERS = 4  # the runtime's bound on unreceived sends (max in-flight messages)
+BUNDLE_MAX_DEVICES = 64  # hybrid layouts (stages sharing groups) are searched up to this size
 
 
 # ---- calibration -------------------------------------------------------------------------------
@@ -302,7 +303,7 @@ class Candidate:
     """A complete plan choice: per-stage configurations, rank ranges, micro-batching."""
 
     name: str
-    layout: str  # "disaggregated" | "colocated"
+    layout: str  # "disaggregated" | "colocated" | "bundled"
     configs: Mapping[str, StageConfig]
     ranks: Mapping[str, tuple[int, ...]]  # each stage's group, replicas of consecutive ranks
     micro_batch: int  # samples per micro-batch
@@ -470,10 +471,15 @@ def _schedule_summary(cand: Candidate) -> str:
     m = cand.micro_batches
     if cand.layout == "colocated":
         return f"every rank runs {' -> '.join(cand.configs)} per micro-batch ({m} per step), then STEP"
+    groups: dict[tuple[int, ...], list[str]] = {}
+    for s in cand.configs:
+        groups.setdefault(cand.ranks[s], []).append(s)
     parts = []
-    for s, c in cand.configs.items():
-        kind = "F+B" if c.backward_s else "F"
-        parts.append(f"{s}: {m} x {kind} ({c.time:.3g} s each)")
+    for ranks, members in groups.items():
+        work = " + ".join(
+            f"{s} {'F+B' if cand.configs[s].backward_s else 'F'} ({cand.configs[s].time:.3g} s)" for s in members
+        )
+        parts.append(f"ranks {format_ranks(ranks, max_runs=3)}: {m} x [{work}]")
     return "; ".join(parts) + "; 1F1B across trainable groups, frozen groups run ahead"
 
 
@@ -507,7 +513,7 @@ class Planner:
     def plan(self) -> PlanReport:
         t0 = time.perf_counter()
         n = self.cluster.world_size
-        found = self.disaggregated() + self.colocated(sequence_parallel=True)
+        found = self.disaggregated() + self.colocated(sequence_parallel=True) + self.bundled()
         if self.batch_is_cap:
             found += self.disaggregated_capped()
         cands = [c for c in found if c is not None]
@@ -795,6 +801,103 @@ class Planner:
         train += max((c.sync_s for c in configs.values()), default=0.0)
         return max([*frozen, train])
 
+    # -- bundles: several stages sharing a group ------------------------------------------------
+    def bundled(self) -> list[Candidate | None]:
+        """Hybrid layouts: the stages partitioned into bundles, each bundle on its own contiguous
+        group with its stages time-sliced there (e.g. the VAE alone, text encoder + DiT together).
+        Searched on clusters of up to ``BUNDLE_MAX_DEVICES`` devices."""
+        n = self.cluster.world_size
+        if n > BUNDLE_MAX_DEVICES or len(self.w.order) > 5:
+            return []
+        out: list[Candidate | None] = []
+        for partition in _partitions(list(self.w.order)):
+            if len(partition) in (1, len(self.w.order)) or len(partition) > n:
+                continue  # all in one group is the colocated layout; all apart the disaggregated one
+            for b in self._micro_batch_sizes():
+                m = self.w.global_batch // b
+                fronts = [self._bundle_front(tuple(bundle), b, m) for bundle in partition]
+                if all(fronts):
+                    out.append(self._balance_bundles(fronts, b, m))
+        return out
+
+    def _bundle_front(self, bundle: tuple[str, ...], b: int, m: int) -> list[tuple[int, float, dict[str, StageConfig]]]:
+        """(ranks, seconds per micro-batch, configs) of the bundle's fitting layouts, Pareto-pruned."""
+        main = max(bundle, key=self.w.model_flops)
+        options = []
+        for dp_main in _divisors(b):
+            for u, r in self._sp_options(main):
+                g = dp_main * u * r
+                if g > self.cluster.world_size:
+                    continue
+                configs: dict[str, StageConfig] = {}
+                reserved = 0.0
+                # frozen members first: their weights stay resident while the others train
+                for s in sorted(bundle, key=lambda s: (s in self.w.backward, s == main)):
+                    sps = [(u, r)] if s == main else [(a, c) for a, c in self._sp_options(s) if g % (a * c) == 0]
+                    best: StageConfig | None = None
+                    for a, c in sps:
+                        dp = g // (a * c)
+                        if b % dp == 0:
+                            cfg = self.best_config(s, b, dp, m, sp=[(a, c)], reserved=reserved)
+                            if cfg is not None and (best is None or cfg.time < best.time):
+                                best = cfg
+                    if best is None:
+                        break
+                    configs[s] = best
+                    reserved = best.memory  # cumulative: each member's memory includes those before it
+                else:
+                    options.append((g, sum(c.time for c in configs.values()), configs))
+        options.sort(key=lambda o: (o[0], o[1]))
+        front: list[tuple[int, float, dict[str, StageConfig]]] = []
+        for o in options:
+            if not front or o[1] < front[-1][1]:
+                front.append(o)
+        return front
+
+    def _balance_bundles(
+        self, fronts: list[list[tuple[int, float, dict[str, StageConfig]]]], b: int, m: int
+    ) -> Candidate | None:
+        n = self.cluster.world_size
+        times = sorted({m * t for f in fronts for _, t, _ in f})
+        chosen = None
+        lo, hi = 0, len(times) - 1
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            pick = [next((o for o in f if m * o[1] <= times[mid]), None) for f in fronts]
+            if all(pick) and sum(o[0] for o in pick if o) <= n:
+                chosen, hi = pick, mid - 1
+            else:
+                lo = mid + 1
+        if chosen is None:
+            return None
+        configs: dict[str, StageConfig] = {}
+        ranks: dict[str, tuple[int, ...]] = {}
+        at = 0
+        order = sorted(chosen, key=lambda o: -max(c.ulysses * c.ring for c in o[2].values()))  # type: ignore[union-attr]
+        for g, _, members in order:  # type: ignore[misc]
+            group = tuple(range(at, at + g))
+            for s, c in members.items():
+                configs[s], ranks[s] = c, group
+            at += g
+        configs = {s: configs[s] for s in self.w.order}
+        ranks = {s: ranks[s] for s in self.w.order}
+        return Candidate("bundled", "bundled", configs, ranks, b, m, n, self._estimate_shared(configs, ranks, m))
+
+    def _estimate_shared(
+        self, configs: Mapping[str, StageConfig], ranks: Mapping[str, tuple[int, ...]], m: int
+    ) -> float:
+        """Step time of groups that may host several stages: their per-micro-batch times add."""
+        groups: dict[tuple[int, ...], list[str]] = {}
+        for s in self.w.order:
+            groups.setdefault(ranks[s], []).append(s)
+        frozen, chain = [], []
+        for members in groups.values():
+            t = sum(configs[s].time for s in members)
+            (chain if any(s in self.w.backward for s in members) else frozen).append(t)
+        train = sum(chain) + (m - 1) * max(chain) if chain else 0.0
+        train += max((c.sync_s for c in configs.values()), default=0.0)
+        return max([m * t for t in frozen] + [train])
+
     # -- colocated ------------------------------------------------------------------------------
     def colocated(self, *, sequence_parallel: bool) -> list[Candidate | None]:
         out = []
@@ -921,7 +1024,11 @@ class Planner:
             trained = max((c.memory for s, c in cand.configs.items() if s in self.w.backward), default=0.0)
             total = max(weights, trained)  # trainable configs were sized with the frozen ones reserved
             return {s: total for s in cand.configs}
-        return {s: c.memory for s, c in cand.configs.items()}
+        # groups hosting several stages (bundles) were sized cumulatively: the largest is the total
+        shared: dict[tuple[int, ...], float] = {}
+        for s, c in cand.configs.items():
+            shared[cand.ranks[s]] = max(shared.get(cand.ranks[s], 0.0), c.memory)
+        return {s: shared[cand.ranks[s]] for s in cand.configs}
 
     def _durations(self, cand: Candidate) -> Any:
         cfgs = cand.configs
@@ -962,12 +1069,29 @@ def _reduce(cand: Candidate) -> Candidate | None:
         ranks = {s: tuple(r for r in cand.ranks[s] if r < size) for s in configs}
         if any(len(ranks[s]) != configs[s].ranks for s in configs):
             return None
-    else:
-        ranks, at = {}, 0
+    else:  # contiguous groups, possibly shared by several stages: shrink each group k-fold
+        ranks, at, new = {}, 0, {}
         for s in sorted(configs, key=lambda s: cand.ranks[s][0]):
-            ranks[s], at = tuple(range(at, at + configs[s].ranks)), at + configs[s].ranks
+            old = cand.ranks[s]
+            if old not in new:
+                new[old], at = tuple(range(at, at + len(old) // k)), at + len(old) // k
+            ranks[s] = new[old]
+            if len(ranks[s]) != configs[s].ranks:
+                return None
         size = at
     return dataclasses.replace(cand, configs=configs, ranks=ranks, micro_batch=cand.micro_batch // k, world_size=size)
+
+
+def _partitions(items: list[str]) -> Iterator[list[list[str]]]:
+    """Every partition of ``items`` into non-empty blocks (order of blocks by first item)."""
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for part in _partitions(rest):
+        yield [[first], *part]
+        for i in range(len(part)):
+            yield [*part[:i], [first, *part[i]], *part[i + 1 :]]
 
 
 def _divisors(n: int) -> list[int]:
