@@ -859,13 +859,14 @@ class Planner:
     ) -> Candidate | None:
         n = self.cluster.world_size
         times = sorted({m * t for f in fronts for _, t, _ in f})
-        chosen = None
+        chosen: list[tuple[int, float, dict[str, StageConfig]]] | None = None
         lo, hi = 0, len(times) - 1
         while lo <= hi:
             mid = (lo + hi) // 2
             pick = [next((o for o in f if m * o[1] <= times[mid]), None) for f in fronts]
-            if all(pick) and sum(o[0] for o in pick if o) <= n:
-                chosen, hi = pick, mid - 1
+            fit = [o for o in pick if o is not None]
+            if len(fit) == len(fronts) and sum(o[0] for o in fit) <= n:
+                chosen, hi = fit, mid - 1
             else:
                 lo = mid + 1
         if chosen is None:
@@ -873,8 +874,8 @@ class Planner:
         configs: dict[str, StageConfig] = {}
         ranks: dict[str, tuple[int, ...]] = {}
         at = 0
-        order = sorted(chosen, key=lambda o: -max(c.ulysses * c.ring for c in o[2].values()))  # type: ignore[union-attr]
-        for g, _, members in order:  # type: ignore[misc]
+        order = sorted(chosen, key=lambda o: -max(c.ulysses * c.ring for c in o[2].values()))
+        for g, _, members in order:
             group = tuple(range(at, at + g))
             for s, c in members.items():
                 configs[s], ranks[s] = c, group
@@ -890,7 +891,8 @@ class Planner:
         groups: dict[tuple[int, ...], list[str]] = {}
         for s in self.w.order:
             groups.setdefault(ranks[s], []).append(s)
-        frozen, chain = [], []
+        frozen: list[float] = []
+        chain: list[float] = []
         for members in groups.values():
             t = sum(configs[s].time for s in members)
             (chain if any(s in self.w.backward for s in members) else frozen).append(t)
