@@ -670,16 +670,21 @@ class Planner:
         for bound, u, r, m, per, top in combos:
             if bound <= best_rate:
                 break  # no later combination can beat what was found
-            found = self._largest_fitting(main, u, r, m, per, top, best_rate)
-            if found is not None:
-                out.append(found)
-                best_rate = max(best_rate, found.global_batch / found.estimate)
+            # Trainable stages feeding the main one fill and drain the 1F1B pipeline every step:
+            # faster (larger) groups for them shorten that, at the cost of main-stage replicas.
+            chained = any(s in self.w.backward and s != main for s in self.w.order)
+            for factor in (1.0, 0.5, 0.25, 0.125) if chained else (1.0,):
+                found = self._largest_fitting(main, u, r, m, per, top, best_rate, chain_factor=factor)
+                if found is not None:
+                    out.append(found)
+                    best_rate = max(best_rate, found.global_batch / found.estimate)
         return out
 
     def _largest_fitting(
-        self, main: str, u: int, r: int, m: int, per: int, top: int, floor_rate: float
+        self, main: str, u: int, r: int, m: int, per: int, top: int, floor_rate: float, *, chain_factor: float = 1.0
     ) -> Candidate | None:
-        """The most replicas (<= ``top``) of ``main`` that leave enough ranks for the other stages."""
+        """The most replicas (<= ``top``) of ``main`` that leave enough ranks for the other stages
+        (trainable ones at ``chain_factor`` of the main stage's time per micro-batch)."""
         n = self.cluster.world_size
         for replicas in range(top, 0, -1):
             b = replicas * per
@@ -690,7 +695,8 @@ class Planner:
             for s in self.w.order:
                 if s != main:
                     free = n - sum(c.ranks for c in chosen.values())
-                    fewest = self._fewest(s, b, m, m * cfg.time, free)
+                    limit = m * cfg.time * (chain_factor if s in self.w.backward else 1.0)
+                    fewest = self._fewest(s, b, m, limit, free)
                     if fewest is None:
                         break
                     chosen[s] = fewest
@@ -714,7 +720,12 @@ class Planner:
         options = sorted(
             (dp * u * r, dp, u, r) for dp in _divisors(b) for u, r in self._sp_options(stage) if dp * u * r <= free
         )
+        c = self.w.costs[stage]
+        flops = c.forward_flops + (c.backward_flops if stage in self.w.backward else 0.0)
+        rate = max(self.model.rate(stage, "forward"), self.model.rate(stage, "backward"))
         for _, dp, u, r in options:
+            if m * (b // dp) * flops / (u * r) / rate > limit:
+                continue  # even its compute alone is too slow
             cfg = self.best_config(stage, b, dp, m, sp=[(u, r)])
             if cfg is not None and m * cfg.time <= limit:
                 return cfg
@@ -993,7 +1004,7 @@ class Planner:
         if reduced is not None and reduced.world_size <= 512 and self.simulate_top:
             plan = build_plan(self.w.graph, reduced.placement(), reduced.micro_batches, world_size=reduced.world_size)
             durations = self._durations(reduced)
-            sim = simulate(plan, durations, steps=5)
+            sim = simulate(plan, durations, steps=4)
             step, simulated = sim.step_time, True
             if self.model.calibrated is not None:
                 step += self.model.calibrated.step_overhead_s  # metrics, logging: once per step

@@ -23,6 +23,7 @@ from mmpipe.sched.plan import Action, ActionKind, Plan, PlanError, send_window, 
 
 CostFn = Callable[[Action], float]  # seconds an action keeps its rank busy
 COMPUTE = (ActionKind.F, ActionKind.B, ActionKind.STEP)
+_COMPUTE_KINDS = frozenset(k.value for k in COMPUTE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,7 +123,7 @@ def bubble_fractions(events: Iterable[Mapping[str, Any]], *, first_step: int = 1
     start, end = min(e["start"] for e in steady), max(e["end"] for e in steady)
     busy: dict[int, float] = defaultdict(float)
     for e in steady:
-        busy[e["rank"]] += (e["end"] - e["start"]) if e["kind"] in {k.value for k in COMPUTE} else 0.0
+        busy[e["rank"]] += (e["end"] - e["start"]) if e["kind"] in _COMPUTE_KINDS else 0.0
     return {r: 1 - busy[r] / (end - start) for r in sorted({e["rank"] for e in steady})}
 
 
