@@ -19,6 +19,7 @@ _EXPORTS = {
     "TensorSpec": "mmpipe.graph",
     "T2VGraph": "mmpipe.pipelines",
     "from_diffusers": "mmpipe.pipelines",
+    "plan": "mmpipe.planning",
     "train": "mmpipe.train",
 }
 __all__ = [
@@ -29,12 +30,14 @@ __all__ = [
     "T2VGraph",
     "TensorSpec",
     "from_diffusers",
+    "plan",
     "train",
 ]
 
 if TYPE_CHECKING:
     from mmpipe.graph import Capabilities, Edge, Graph, Stage, TensorSpec
     from mmpipe.pipelines import T2VGraph, from_diffusers
+    from mmpipe.planning import plan
     from mmpipe.train import train
 
 

@@ -12,13 +12,14 @@ import dataclasses
 import os
 import statistics
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from mmpipe.config import DataConfig, ModelConfig, PlanConfig
 from mmpipe.graph import Graph
 from mmpipe.sched.cluster import Cluster
-from mmpipe.sched.cost import measure_graph_costs
+from mmpipe.sched.cost import ShapeDtype, measure_graph_costs
 from mmpipe.sched.plan import DeviceGroup
 from mmpipe.sched.planner import Calibration, Candidate, Planner, PlanReport, PlanResult, Workload
 from mmpipe.workloads import planning_graph
@@ -34,6 +35,36 @@ def build_workload(model: ModelConfig, data: DataConfig, global_batch: int) -> t
     graph, shapes = planning_graph(model, data)
     costs = measure_graph_costs(graph, shapes)
     return graph, Workload.of(model.name, graph, costs, global_batch)
+
+
+def plan(
+    graph: Graph,
+    cluster: Cluster | str,
+    *,
+    inputs: Mapping[str, ShapeDtype],
+    global_batch: int | None = None,
+    micro_batches: int = 0,
+    calibration: Calibration | str | Path | None = None,
+) -> PlanReport:
+    """Plan a training graph on a cluster (a :class:`Cluster` or a preset name).
+
+    ``inputs``: the graph inputs' per-sample shapes, e.g. ``{"video": ((1, 3, 81, 720, 1280),
+    torch.float32), ...}``. ``global_batch``: samples per step, kept exactly; ``None`` uses up to
+    one sample per device. ``report.plan(graph)`` is the runtime's plan of the chosen layout.
+    """
+    cluster = Cluster.preset(cluster) if isinstance(cluster, str) else cluster
+    if isinstance(calibration, str | Path):
+        calibration = Calibration.load(calibration)
+    workload = Workload.of(graph.name, graph, measure_graph_costs(graph, inputs), global_batch or cluster.world_size)
+    planner = Planner(
+        workload,
+        cluster,
+        calibration=calibration,
+        micro_batches=micro_batches,
+        batch_is_cap=global_batch is None,
+        **runtime_limits(cluster),
+    )
+    return planner.plan()
 
 
 def plan_from_config(cfg: PlanConfig) -> tuple[Graph, PlanReport]:

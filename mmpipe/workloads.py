@@ -67,7 +67,6 @@ def sample_inputs(graph: Graph, text_len: int, frames: int, height: int, width: 
 
 def build_arch_graph(model: ModelConfig) -> Graph:
     """The training graph of a full-size architecture preset (modules exist as configs only)."""
-    from mmpipe.pipelines import build_text_stage  # noqa: F401  (stage classes below)
     from mmpipe.presets import build_word_tokenizer
     from mmpipe.stages import WanDiTFlowMatchingStage, WanVAEEncodeStage
     from mmpipe.stages.dit import HunyuanVideoDiTFlowMatchingStage

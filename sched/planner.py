@@ -9,7 +9,14 @@ fixed global batch, for two kinds of layout:
   trainable consumers. Group sizes come from a binary search on the step time: each stage takes
   the fewest ranks whose best configuration finishes its micro-batches in time, until the
   cluster is used up;
-- *colocated*: every stage on all ranks, time-sliced (each with its own dp / sequence split).
+- *colocated*: every stage on all ranks, time-sliced (each with its own dp / sequence split; a
+  stage may run on one rank or sequence-parallel group per replica of the others);
+- *bundled* (up to ``BUNDLE_MAX_DEVICES``): the stages partitioned into groups that each
+  time-slice a few stages, balanced like the disaggregated layout.
+
+The global batch is either kept exactly (micro-batch size and count searched over its divisors)
+or, as a cap, lets disaggregated layouts take fewer samples per step when their replica counts
+need it (the heaviest stage's replica count is searched from the largest that leaves room).
 
 The best candidates of the analytic model are checked with the discrete-event simulator on a
 reduced plan (ranks of a group are symmetric, so data-parallel replicas are merged), and the

@@ -212,7 +212,7 @@ def test_sequence_parallel_groups_stay_inside_a_node() -> None:
 def test_baselines_and_lower_bound_are_reported() -> None:
     rng = random.Random(3)
     workload = t2v_workload(rng, 16)
-    report = plan(workload, Cluster.preset("h200_8").__class__.preset("h200_64"))
+    report = plan(workload, Cluster.preset("h200_64"))
     j = report.to_json()
     assert j["plan"]["fits_memory"] and j["colocated_sequential"] is not None
     assert j["vs_lower_bound"] <= 1.0 + 1e-9
@@ -348,3 +348,23 @@ def test_bundles_put_a_light_encoder_with_the_trainable_stage() -> None:
     ratio = report.vs(report.colocated)
     assert ratio is not None and ratio > 1.05
     assert report.plan(graph).world_size == 2
+
+
+def test_top_level_plan_api_on_a_graph(tiny_wan_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    import mmpipe
+    from mmpipe.pipelines import build_t2v_training_graph
+
+    monkeypatch.setenv("MMPIPE_CACHE", str(tmp_path))
+    graph = build_t2v_training_graph(tiny_wan_dir, text_len=16)
+    inputs = {
+        "input_ids": ((1, 16), torch.int64),
+        "attention_mask": ((1, 16), torch.int64),
+        "video": ((1, 3, 9, 32, 32), torch.float32),
+    }
+    report = mmpipe.plan(graph, "h200_8", inputs=inputs, global_batch=16)
+    assert report.global_batch == 16 and report.best.fits_memory
+    full = report.plan(graph)
+    full.validate()
+    assert set(dict(full.placement)) == {"text", "vae", "dit"}
