@@ -525,9 +525,14 @@ class Planner:
             found += self.disaggregated_capped()
         cands = [c for c in found if c is not None]
         if not cands:
+            tried = (
+                "even full recomputation and offload exceed it"
+                if len(self.policies) > 1
+                else "recomputation and offload were not considered (the runtime for this device cannot apply them yet)"
+            )
             raise ValueError(
                 f"no configuration of {self.w.name} fits {self.cluster.name}: "
-                f"{self.cluster.memory_bytes / 1e9:.0f} GB per device; even full recomputation and offload exceed it"
+                f"{self.cluster.memory_bytes / 1e9:.0f} GB per device; {tried}"
             )
         best = self._first_runnable(cands, self.simulate_top)
         if best is None:
