@@ -234,8 +234,9 @@ def make_plans(graph: Graph, cfg: RunConfig) -> tuple[Plan, Plan]:
     placement = parse_placement(cfg.placement) if cfg.placement else default_placement(graph, world)
     kind = ScheduleKind(cfg.train.schedule)
     n_micro = cfg.train.micro_batches
-    train_plan = build_plan(graph, placement, n_micro, world_size=world, schedule=kind)
-    val_plan = build_plan(graph, placement, n_micro, world_size=world, schedule=kind, train=False)
+    size = cfg.train.batch_size // n_micro
+    train_plan = build_plan(graph, placement, n_micro, world_size=world, schedule=kind, batch=size)
+    val_plan = build_plan(graph, placement, n_micro, world_size=world, schedule=kind, train=False, batch=size)
     return train_plan, val_plan
 
 

@@ -140,10 +140,10 @@ class DeviceGroup:
         return self._index[rank] // self.sp
 
     def rows(self, rank: int, batch: int) -> tuple[int, int]:
-        """The rows ``[start, stop)`` of a micro-batch of ``batch`` samples that ``rank`` holds."""
+        """The rows ``[start, stop)`` of a micro-batch of ``batch`` samples that ``rank`` holds:
+        equal shares, or when ``dp`` does not divide ``batch``, shares differing by one row."""
         i = self.replica(rank)
-        size = batch // self.dp
-        return i * size, (i + 1) * size
+        return i * batch // self.dp, (i + 1) * batch // self.dp
 
     def __str__(self) -> str:
         return f"ranks=[{format_ranks(self.ranks)}] {self.options()}"
@@ -181,6 +181,7 @@ class Plan:
     edges: tuple[tuple[str, str], ...] = ()  # stage-level producer -> consumer
     backward: frozenset[str] = frozenset()  # stages that run B (trainable, or between trainable ones)
     trainable: frozenset[str] = frozenset()  # stages that STEP an optimizer
+    batch: int = 0  # samples per micro-batch; 0: not fixed (every group then splits it evenly)
 
     def producers(self, stage: str) -> list[str]:
         """Stages feeding ``stage``."""
@@ -212,6 +213,7 @@ class Plan:
     def to_text(self) -> str:
         """A line-oriented form that :meth:`from_text` parses back to an equal plan."""
         lines = [f"world_size {self.world_size}", f"micro_batches {self.micro_batches}"]
+        lines += [f"batch {self.batch}"] if self.batch else []
         lines += [f"place {s} ranks={','.join(map(str, g.ranks))} {g.options()}" for s, g in self.placement]
         lines += [f"edge {p}->{c}" for p, c in self.edges]
         lines += [f"backward {s}" for s in sorted(self.backward)]
@@ -223,6 +225,7 @@ class Plan:
     def from_text(cls, text: str) -> Plan:
         """Parse :meth:`to_text`'s output."""
         world = micro = None
+        batch = 0
         placement: list[tuple[str, DeviceGroup]] = []
         edges: list[tuple[str, str]] = []
         sets: dict[str, set[str]] = {"backward": set(), "trainable": set()}
@@ -235,6 +238,8 @@ class Plan:
                 world = int(rest)
             elif head == "micro_batches":
                 micro = int(rest)
+            elif head == "batch":
+                batch = int(rest)
             elif head == "place":
                 m = re.fullmatch(r"(\S+) ranks=([\d,]+)((?: \w+=[\d.]+)*)", rest)
                 if m is None:
@@ -273,6 +278,7 @@ class Plan:
             tuple(edges),
             frozenset(sets["backward"]),
             frozenset(sets["trainable"]),
+            batch,
         )
 
     # ---- validation ---------------------------------------------------------------------------
@@ -288,6 +294,7 @@ class Plan:
             bad = [r for r in group.ranks if not 0 <= r < self.world_size]
             if bad:
                 raise PlanError(f"stage {stage!r} is placed on ranks {bad} outside world_size {self.world_size}")
+            check_split(stage, group, self.batch or None, backward=stage in self.backward)
         for rank, acts in enumerate(self.actions):
             for step, a in enumerate(acts):
                 problem = _static_problem(self, rank, a)
@@ -427,7 +434,7 @@ def _has(rank: int, src: str, dst: str, mb: int | None, kind: ActionKind, plan: 
     groups = plan.groups
     local_stage, remote = (src, groups[src]) if kind == ActionKind.RECV else (dst, groups[dst])
     mine = groups[dst] if kind == ActionKind.RECV else groups[src]
-    for peer in overlapping_ranks(mine, rank, remote):
+    for peer in overlapping_ranks(mine, rank, remote, plan.batch):
         if peer == rank:
             local_kind = ActionKind.F if kind == ActionKind.RECV else ActionKind.B
             if (local_stage, local_kind, mb, None, None) not in done:
@@ -437,8 +444,29 @@ def _has(rank: int, src: str, dst: str, mb: int | None, kind: ActionKind, plan: 
     return True
 
 
-def overlapping_ranks(group: DeviceGroup, rank: int, other: DeviceGroup) -> list[int]:
-    """Ranks of ``other`` whose share of a micro-batch overlaps ``rank``'s share in ``group``."""
+def check_split(stage: str, group: DeviceGroup, batch: int | None, *, backward: bool) -> None:
+    """A group's replicas split each micro-batch of ``batch`` samples: each gets at least one row,
+    and the replicas of a stage that runs a backward get equal shares (FSDP averages their
+    gradients); frozen stages may take shares that differ by one row."""
+    if batch is None:
+        return
+    if group.dp > batch:
+        raise PlanError(f"stage {stage!r}: dp={group.dp} replicas exceed the micro-batch size {batch}")
+    if backward and batch % group.dp:
+        raise PlanError(f"stage {stage!r} runs a backward: its dp={group.dp} must divide the micro-batch size {batch}")
+
+
+def overlapping_ranks(group: DeviceGroup, rank: int, other: DeviceGroup, batch: int = 0) -> list[int]:
+    """Ranks of ``other`` whose share of a micro-batch overlaps ``rank``'s share in ``group``
+    (``batch``: the micro-batch size, needed when a group's shares are unequal)."""
+    if batch and (batch % group.dp or batch % other.dp):
+        lo, hi = group.rows(rank, batch)
+        return [
+            r
+            for j in range(other.dp)
+            if j * batch // other.dp < hi and lo < (j + 1) * batch // other.dp
+            for r in other.ranks[j * other.sp : (j + 1) * other.sp]
+        ]
     i = group.replica(rank)
     # Replicas j of ``other`` with [j/other.dp, (j+1)/other.dp) overlapping [i/group.dp, (i+1)/group.dp).
     first = i * other.dp // group.dp

@@ -423,7 +423,14 @@ class PlanReport:
     def plan(self, graph: GraphInfo, *, schedule: ScheduleKind = ScheduleKind.ONE_F_ONE_B) -> Plan:
         """The chosen plan as the runtime's per-rank action lists."""
         cand = self.best.candidate
-        return build_plan(graph, cand.placement(), cand.micro_batches, world_size=cand.world_size, schedule=schedule)
+        return build_plan(
+            graph,
+            cand.placement(),
+            cand.micro_batches,
+            world_size=cand.world_size,
+            schedule=schedule,
+            batch=cand.micro_batch,
+        )
 
     def format(self) -> str:
         """The human-readable report ``mmpipe plan`` prints."""
@@ -603,6 +610,14 @@ class Planner:
                     out.append((u, r))
         return out
 
+    def _replica_counts(self, stage: str, b: int) -> list[int]:
+        """Data-parallel degrees a stage may take for micro-batches of ``b`` samples: divisors of
+        ``b`` for stages that run a backward (FSDP averages equal shares), any count up to ``b``
+        for frozen ones (shares may differ by one sample)."""
+        if stage in self.w.backward:
+            return _divisors(b)
+        return list(range(1, min(b, self.cluster.world_size) + 1))
+
     def _inflight(self, stage: str, micro_batches: int) -> int:
         """Micro-batches whose activations a rank of ``stage`` holds at once under 1F1B."""
         if stage not in self.w.backward:
@@ -625,7 +640,9 @@ class Planner:
             for rc in recomputes:
                 fit = None
                 for off in offloads:  # more offload of the same recompute never runs faster
-                    cfg = self.model.configure(stage, b // dp, dp, u, r, rc, off, inflight=inflight, reserved=reserved)
+                    cfg = self.model.configure(
+                        stage, -(-b // dp), dp, u, r, rc, off, inflight=inflight, reserved=reserved
+                    )
                     if self.model.fits(cfg):
                         fit = cfg
                         break
@@ -634,7 +651,7 @@ class Planner:
                 if best is None or fit.time < best.time:
                     best = fit
                 if base is None:
-                    base = self.model.configure(stage, b // dp, dp, u, r, 0.0, 0.0, inflight=inflight)
+                    base = self.model.configure(stage, -(-b // dp), dp, u, r, 0.0, 0.0, inflight=inflight)
                 # A higher recompute fraction adds compute; it only pays while offload is exposed.
                 if fit.offload == 0.0 or fit.time <= self._no_offload_time(fit, base):
                     break
@@ -730,13 +747,16 @@ class Planner:
         """The configuration of ``stage`` with the fewest ranks (at most ``free``) that finishes its
         ``m`` micro-batches of ``b`` samples within ``limit`` seconds."""
         options = sorted(
-            (dp * u * r, dp, u, r) for dp in _divisors(b) for u, r in self._sp_options(stage) if dp * u * r <= free
+            (dp * u * r, dp, u, r)
+            for dp in self._replica_counts(stage, b)
+            for u, r in self._sp_options(stage)
+            if dp * u * r <= free
         )
         c = self.w.costs[stage]
         flops = c.forward_flops + (c.backward_flops if stage in self.w.backward else 0.0)
         rate = max(self.model.rate(stage, "forward"), self.model.rate(stage, "backward"))
         for _, dp, u, r in options:
-            if m * (b // dp) * flops / (u * r) / rate > limit:
+            if m * -(-b // dp) * flops / (u * r) / rate > limit:
                 continue  # even its compute alone is too slow
             cfg = self.best_config(stage, b, dp, m, sp=[(u, r)])
             if cfg is not None and m * cfg.time <= limit:
@@ -747,7 +767,7 @@ class Planner:
         """Pareto front (fewer ranks, less time) of the stage's fitting configurations."""
         options = []
         sp = self._sp_options(stage)
-        for dp in _divisors(b):
+        for dp in self._replica_counts(stage, b):
             for u, r in sp:
                 if dp * u * r > self.cluster.world_size:
                     continue
@@ -860,7 +880,7 @@ class Planner:
                     best: StageConfig | None = None
                     for a, c in sps:
                         dp = g // (a * c)
-                        if b % dp == 0:
+                        if dp in self._replica_counts(s, b):
                             cfg = self.best_config(s, b, dp, m, sp=[(a, c)], reserved=reserved)
                             if cfg is not None and (best is None or cfg.time < best.time):
                                 best = cfg
@@ -1014,7 +1034,13 @@ class Planner:
         step, simulated, bubbles = cand.estimate, False, {}
         reduced = cand if exact else _reduce(cand)
         if reduced is not None and reduced.world_size <= 512 and self.simulate_top:
-            plan = build_plan(self.w.graph, reduced.placement(), reduced.micro_batches, world_size=reduced.world_size)
+            plan = build_plan(
+                self.w.graph,
+                reduced.placement(),
+                reduced.micro_batches,
+                world_size=reduced.world_size,
+                batch=reduced.micro_batch,
+            )
             durations = self._durations(reduced)
             sim = simulate(plan, durations, steps=4)
             step, simulated = sim.step_time, True

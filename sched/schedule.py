@@ -66,8 +66,10 @@ def build_plan(
     world_size: int,
     schedule: ScheduleKind = ScheduleKind.ONE_F_ONE_B,
     train: bool = True,
+    batch: int = 0,
 ) -> Plan:
-    """The plan of ``graph`` under ``placement``; ``train=False`` gives a forward-only plan."""
+    """The plan of ``graph`` under ``placement``; ``train=False`` gives a forward-only plan.
+    ``batch``: samples per micro-batch, which lets frozen groups split it unequally."""
     missing = sorted(set(graph.stages) - set(placement))
     unknown = sorted(set(placement) - set(graph.stages))
     if missing or unknown:
@@ -78,10 +80,12 @@ def build_plan(
     order = graph.topological_order()
     backward = backward_stages(graph) if train else frozenset()
     trainable = frozenset(n for n, s in graph.stages.items() if not s.frozen) if train else frozenset()
-    skeleton = Plan(world_size, tuple((n, placement[n]) for n in order), micro_batches, (), edges, backward, trainable)
+    skeleton = Plan(
+        world_size, tuple((n, placement[n]) for n in order), micro_batches, (), edges, backward, trainable, batch
+    )
     depth = _rank_depths(skeleton, world_size)
     actions = tuple(tuple(_rank_actions(skeleton, r, order, depth.get(r), schedule)) for r in range(world_size))
-    plan = Plan(world_size, skeleton.placement, micro_batches, actions, edges, backward, trainable)
+    plan = Plan(world_size, skeleton.placement, micro_batches, actions, edges, backward, trainable, batch)
     plan.validate()
     return plan
 
@@ -91,12 +95,16 @@ def _forward_unit(plan: Plan, rank: int, local: Sequence[str], mb: int) -> list[
     for s in local:
         for p in plan.producers(s):
             out += [
-                Action(p, ActionKind.RECV, mb, s, q) for q in overlapping_ranks(groups[s], rank, groups[p]) if q != rank
+                Action(p, ActionKind.RECV, mb, s, q)
+                for q in overlapping_ranks(groups[s], rank, groups[p], plan.batch)
+                if q != rank
             ]
         out.append(Action(s, ActionKind.F, mb))
         for c in plan.consumers(s):
             out += [
-                Action(s, ActionKind.SEND, mb, c, q) for q in overlapping_ranks(groups[s], rank, groups[c]) if q != rank
+                Action(s, ActionKind.SEND, mb, c, q)
+                for q in overlapping_ranks(groups[s], rank, groups[c], plan.batch)
+                if q != rank
             ]
     return out
 
@@ -105,11 +113,11 @@ def _backward_unit(plan: Plan, rank: int, local: Sequence[str], mb: int) -> list
     groups, out = plan.groups, []
     for s in reversed([s for s in local if s in plan.backward]):
         for c in (c for c in plan.consumers(s) if c in plan.backward):
-            peers = overlapping_ranks(groups[s], rank, groups[c])
+            peers = overlapping_ranks(groups[s], rank, groups[c], plan.batch)
             out += [Action(s, ActionKind.RECV_GRAD, mb, c, q) for q in peers if q != rank]
         out.append(Action(s, ActionKind.B, mb))
         for p in (p for p in plan.producers(s) if p in plan.backward):
-            peers = overlapping_ranks(groups[s], rank, groups[p])
+            peers = overlapping_ranks(groups[s], rank, groups[p], plan.batch)
             out += [Action(p, ActionKind.SEND_GRAD, mb, s, q) for q in peers if q != rank]
     return out
 

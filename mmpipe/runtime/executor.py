@@ -29,7 +29,7 @@ from mmpipe.graph import INPUT, Graph
 from mmpipe.runtime.events import EventRecorder
 from mmpipe.runtime.mesh import MeshOwner
 from mmpipe.runtime.transport import isend_tensors, nbytes, recv_tensors
-from mmpipe.sched.plan import Action, ActionKind, Plan, PlanError, overlapping_ranks, send_window
+from mmpipe.sched.plan import Action, ActionKind, Plan, PlanError, check_split, overlapping_ranks, send_window
 
 BatchFn = Callable[[int], dict[str, torch.Tensor]]  # micro-batch index -> full micro-batch graph inputs
 OptionsFn = Callable[[str, int, tuple[int, int, int]], dict[str, Any]]  # stage, mb, rows -> forward options
@@ -69,9 +69,10 @@ class Executor:
         # produces for others may run ahead into the next step by up to this many messages.
         self.max_inflight = max_inflight_sends or send_window(plan)
         self._inflight: collections.deque[tuple[list[dist.Work], list[torch.Tensor]]] = collections.deque()
+        if plan.batch and plan.batch != batch_size:
+            raise PlanError(f"the plan was made for micro-batches of {plan.batch} samples, not {batch_size}")
         for stage, group in plan.placement:
-            if batch_size % group.dp:
-                raise PlanError(f"micro-batch size {batch_size} is not divisible by dp={group.dp} of stage {stage!r}")
+            check_split(stage, group, batch_size, backward=stage in plan.backward)
         self.local = plan.stages_on(self.rank)
         self.optimizers: dict[str, StageOptim] = {}  # filled by the trainer for local trainable stages
         self.modules: dict[str, nn.Module] = {s: self._build(s) for s in self.local}
@@ -168,7 +169,7 @@ class Executor:
         """The rows of ``src.port`` this rank's ``dst`` needs: local slices and received pieces, in row order."""
         lo, hi = self.rows(dst)
         pieces = []
-        for q in overlapping_ranks(self.groups[dst], self.rank, self.groups[src]):
+        for q in overlapping_ranks(self.groups[dst], self.rank, self.groups[src], self.batch_size):
             if q == self.rank:
                 plo, _ = self.rows(src)
                 a, b = max(lo, plo), min(hi, self.rows(src)[1])

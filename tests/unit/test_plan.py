@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 from toy_graphs import FANOUT, T2V, U2G, G
 
-from mmpipe.sched.plan import Action, ActionKind, DeviceGroup, Plan, PlanError, parse_placement
+from mmpipe.sched.plan import Action, ActionKind, DeviceGroup, Plan, PlanError, overlapping_ranks, parse_placement
 from mmpipe.sched.schedule import ScheduleKind, build_plan
 
 PLACEMENTS = [
@@ -164,3 +164,18 @@ def test_derived_placement_puts_frozen_stages_on_rank_0(tiny_wan_dir) -> None:
     assert {s: (g.ranks, g.dp) for s, g in three.placement} == {"text": ((0,), 1), "vae": ((0,), 1), "dit": ((1, 2), 2)}
     assert not val.backward and not val.trainable  # the validation plan is forward-only
     assert all(a.kind in (ActionKind.F, ActionKind.SEND, ActionKind.RECV) for acts in val.actions for a in acts)
+
+
+def test_frozen_groups_may_split_a_micro_batch_unequally() -> None:
+    vae = DeviceGroup((0, 1), dp=2)
+    assert [vae.rows(r, 3) for r in (0, 1)] == [(0, 1), (1, 3)]
+    dit = DeviceGroup((2,), dp=1)
+    assert overlapping_ranks(dit, 2, vae, 3) == [0, 1] and overlapping_ranks(vae, 1, dit, 3) == [2]
+    placement = {"text": DeviceGroup((0,)), "vae": vae, "dit": dit}
+    plan = build_plan(T2V, placement, 2, world_size=3, batch=3)
+    assert plan.batch == 3 and Plan.from_text(plan.to_text()) == plan
+    # a stage that runs a backward needs equal shares: FSDP averages its replicas' gradients
+    with pytest.raises(PlanError, match="runs a backward: its dp=2 must divide the micro-batch size 3"):
+        build_plan(T2V, placement | {"dit": DeviceGroup((1, 2), dp=2)}, 2, world_size=3, batch=3)
+    with pytest.raises(PlanError, match="dp=4 replicas exceed the micro-batch size 3"):
+        build_plan(T2V, placement | {"vae": DeviceGroup((0, 1, 3, 4), dp=4)}, 2, world_size=5, batch=3)
