@@ -205,6 +205,24 @@ def flow_shift_of(scheduler_config: Any) -> float:
 
 T2V_TRAIN_STAGES = ("text", "vae", "dit")  # the stage names of build_t2v_training_graph
 U2G_TRAIN_STAGES = ("vision", "llm", "connector", "vae", "dit")  # those of build_u2g_training_graph
+T2V_TRAIN_EDGES = (
+    ("input.input_ids", "text.input_ids"),
+    ("input.attention_mask", "text.attention_mask"),
+    ("input.video", "vae.video"),
+    ("text.context", "dit.context"),
+    ("vae.latents", "dit.latents"),
+)
+U2G_TRAIN_EDGES = (
+    ("input.pixel_values", "vision.pixel_values"),
+    ("vision.image_tokens", "llm.image_tokens"),
+    ("input.input_ids", "llm.input_ids"),
+    ("input.attention_mask", "llm.attention_mask"),
+    ("llm.hidden", "connector.hidden"),
+    ("llm.mask", "connector.mask"),
+    ("connector.context", "dit.context"),
+    ("input.video", "vae.video"),
+    ("vae.latents", "dit.latents"),
+)
 
 
 def build_t2v_training_graph(pipeline_dir: str | Path, *, text_len: int) -> Graph:
@@ -222,11 +240,8 @@ def build_t2v_training_graph(pipeline_dir: str | Path, *, text_len: int) -> Grap
     g.add_stage(build_text_stage("text", root / "text_encoder", tokenizer, max_length=text_len))
     g.add_stage(WanVAEEncodeStage.from_pretrained("vae", root / "vae"))
     g.add_stage(WanDiTFlowMatchingStage.from_pretrained("dit", root / "transformer", shift=shift))
-    g.connect("input.input_ids", "text.input_ids")
-    g.connect("input.attention_mask", "text.attention_mask")
-    g.connect("input.video", "vae.video")
-    g.connect("text.context", "dit.context")
-    g.connect("vae.latents", "dit.latents")
+    for src, dst in T2V_TRAIN_EDGES:
+        g.connect(src, dst)
     g.validate()
     return g
 
@@ -262,17 +277,7 @@ def build_u2g_training_graph(pipeline_dir: str | Path, *, text_len: int) -> Grap
         WanDiTFlowMatchingStage.from_pretrained("dit", root / "transformer", shift=shift),
     ):
         g.add_stage(stage)
-    for src, dst in [
-        ("input.pixel_values", "vision.pixel_values"),
-        ("vision.image_tokens", "llm.image_tokens"),
-        ("input.input_ids", "llm.input_ids"),
-        ("input.attention_mask", "llm.attention_mask"),
-        ("llm.hidden", "connector.hidden"),
-        ("llm.mask", "connector.mask"),
-        ("connector.context", "dit.context"),
-        ("input.video", "vae.video"),
-        ("vae.latents", "dit.latents"),
-    ]:
+    for src, dst in U2G_TRAIN_EDGES:
         g.connect(src, dst)
     g.validate()
     return g

@@ -67,6 +67,7 @@ def sample_inputs(graph: Graph, text_len: int, frames: int, height: int, width: 
 
 def build_arch_graph(model: ModelConfig) -> Graph:
     """The training graph of a full-size architecture preset (modules exist as configs only)."""
+    from mmpipe.pipelines import T2V_TRAIN_EDGES, U2G_TRAIN_EDGES
     from mmpipe.presets import build_word_tokenizer
     from mmpipe.stages import WanDiTFlowMatchingStage, WanVAEEncodeStage
     from mmpipe.stages.dit import HunyuanVideoDiTFlowMatchingStage
@@ -99,8 +100,7 @@ def build_arch_graph(model: ModelConfig) -> Graph:
         text_src = source("text")
         text_cls = T5TextEncoderStage if hasattr(text_src.config, "d_model") else CausalLMTextEncoderStage
         g.add_stage(text_cls("text", text_src, tokenizer, max_length=model.text_len))
-        edges = [("input.input_ids", "text.input_ids"), ("input.attention_mask", "text.attention_mask")]
-        edges += [("text.context", "dit.context")]
+        edges: tuple[tuple[str, str], ...] = T2V_TRAIN_EDGES
     else:
         vision = VisionEncoderStage("vision", source("vision"))
         llm_src = source("llm")
@@ -120,18 +120,10 @@ def build_arch_graph(model: ModelConfig) -> Graph:
         g.add_input("pixel_values", TensorSpec(("B", 3, vision.image_size, vision.image_size), torch.float32))
         for stage in (vision, llm, connector):
             g.add_stage(stage)
-        edges = [
-            ("input.pixel_values", "vision.pixel_values"),
-            ("vision.image_tokens", "llm.image_tokens"),
-            ("input.input_ids", "llm.input_ids"),
-            ("input.attention_mask", "llm.attention_mask"),
-            ("llm.hidden", "connector.hidden"),
-            ("llm.mask", "connector.mask"),
-            ("connector.context", "dit.context"),
-        ]
+        edges = U2G_TRAIN_EDGES
     g.add_stage(vae)
     g.add_stage(dit)
-    for src, dst in [*edges, ("input.video", "vae.video"), ("vae.latents", "dit.latents")]:
+    for src, dst in edges:  # the same wiring as the trainable graphs of mmpipe.pipelines
         g.connect(src, dst)
     g.validate()
     return g

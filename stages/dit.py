@@ -16,8 +16,9 @@ Legend: B batch, Z latent channels, t/h/w latent frames/height/width, L text tok
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -47,12 +48,16 @@ def sample_flow_matching(
     return noise[start:stop].to(latents_BZthw.device), sigma_B[start:stop].to(latents_BZthw.device)
 
 
-class WanDiTFlowMatchingStage(SourcedStage):
-    """``latents, context -> loss``: one flow-matching training step of the DiT on a micro-batch."""
+class FlowMatchingDiTStage(SourcedStage):
+    """``latents, context -> loss``: one flow-matching training step of a DiT on a micro-batch.
+
+    Subclasses name the module class, the config key of the context width and how the module is
+    called on the noised latents (:meth:`predict`); noise, timesteps and the loss are shared.
+    """
 
     kind = "dit"
-    model_cls = WanTransformer3DModel
     capabilities = Capabilities(sequence_parallel=True, fsdp=True, offload=True)
+    context_dim_key: ClassVar[str]
 
     def __init__(self, name: str, source: ModuleSource, *, shift: float = 1.0, num_train_timesteps: int = 1000) -> None:
         super().__init__(name, source, frozen=False)
@@ -66,7 +71,7 @@ class WanDiTFlowMatchingStage(SourcedStage):
         cfg = self.source.config
         return {
             "latents": TensorSpec(("B", cfg.in_channels, "t", "h", "w"), torch.float32),
-            "context": TensorSpec(("B", "L", cfg.text_dim)),
+            "context": TensorSpec(("B", "L", getattr(cfg, self.context_dim_key))),
         }
 
     @property
@@ -86,18 +91,36 @@ class WanDiTFlowMatchingStage(SourcedStage):
         noise_BZthw, sigma_B = sample_flow_matching(x0_BZthw, seed=seed, shift=self.shift, rows=rows)
         s_B11111 = sigma_B.view(-1, 1, 1, 1, 1)
         xs_BZthw = (1 - s_B11111) * x0_BZthw + s_B11111 * noise_BZthw
-        dtype = module.dtype
-        pred_BZthw = module(
-            hidden_states=xs_BZthw.to(dtype),
-            timestep=sigma_B * self.num_train_timesteps,
-            encoder_hidden_states=context_BLD.to(dtype),
-            return_dict=False,
-        )[0]
+        pred_BZthw = self.predict(module, xs_BZthw, sigma_B * self.num_train_timesteps, context_BLD)
         loss = F.mse_loss(pred_BZthw.float(), (noise_BZthw - x0_BZthw).float())
         return {"loss": loss}
 
+    @abc.abstractmethod
+    def predict(
+        self, module: nn.Module, xs_BZthw: torch.Tensor, timestep_B: torch.Tensor, context_BLD: torch.Tensor
+    ) -> torch.Tensor:
+        """The module's velocity prediction for the noised latents."""
 
-class HunyuanVideoDiTFlowMatchingStage(SourcedStage):
+
+class WanDiTFlowMatchingStage(FlowMatchingDiTStage):
+    """The Wan DiT (diffusers ``WanTransformer3DModel``)."""
+
+    model_cls = WanTransformer3DModel
+    context_dim_key = "text_dim"
+
+    def predict(
+        self, module: nn.Module, xs_BZthw: torch.Tensor, timestep_B: torch.Tensor, context_BLD: torch.Tensor
+    ) -> torch.Tensor:
+        dtype = cast(torch.dtype, module.dtype)  # diffusers ModelMixin.dtype
+        return module(
+            hidden_states=xs_BZthw.to(dtype),
+            timestep=timestep_B,
+            encoder_hidden_states=context_BLD.to(dtype),
+            return_dict=False,
+        )[0]
+
+
+class HunyuanVideoDiTFlowMatchingStage(FlowMatchingDiTStage):
     """``latents, context -> loss``: one flow-matching training step of the HunyuanVideo DiT.
 
     The module also needs ``encoder_attention_mask`` and ``pooled_projections``; both come from the
@@ -109,9 +132,8 @@ class HunyuanVideoDiTFlowMatchingStage(SourcedStage):
     ``HunyuanVideoPipeline`` passes it.
     """
 
-    kind = "dit"
     model_cls = HunyuanVideoTransformer3DModel
-    capabilities = Capabilities(sequence_parallel=True, fsdp=True, offload=True)
+    context_dim_key = "text_embed_dim"
 
     def __init__(
         self,
@@ -122,9 +144,7 @@ class HunyuanVideoDiTFlowMatchingStage(SourcedStage):
         num_train_timesteps: int = 1000,
         guidance: float | None = None,
     ) -> None:
-        super().__init__(name, source, frozen=False)
-        if shift <= 0:
-            raise ValueError(f"stage {name!r}: flow shift must be positive, got {shift}")
+        super().__init__(name, source, shift=shift, num_train_timesteps=num_train_timesteps)
         cfg = source.config
         if cfg.pooled_projection_dim != cfg.text_embed_dim:
             raise ValueError(
@@ -135,36 +155,12 @@ class HunyuanVideoDiTFlowMatchingStage(SourcedStage):
             guidance = 6.0 if guidance is None else guidance
         elif guidance is not None:
             raise ValueError(f"stage {name!r}: guidance={guidance} given but the module has guidance_embeds=False")
-        self.shift = shift
-        self.num_train_timesteps = num_train_timesteps
         self.guidance = guidance
 
-    @property
-    def inputs(self) -> Mapping[str, TensorSpec]:
-        cfg = self.source.config
-        return {
-            "latents": TensorSpec(("B", cfg.in_channels, "t", "h", "w"), torch.float32),
-            "context": TensorSpec(("B", "L", cfg.text_embed_dim)),
-        }
-
-    @property
-    def outputs(self) -> Mapping[str, TensorSpec]:
-        return {"loss": TensorSpec((), torch.float32)}
-
-    def forward(
-        self,
-        module: nn.Module,
-        inputs: Mapping[str, Any],
-        *,
-        seed: int = 0,
-        rows: tuple[int, int, int] | None = None,
-        **_: Any,
-    ) -> dict[str, Any]:
-        x0_BZthw, context_BLD = inputs["latents"], inputs["context"]
-        noise_BZthw, sigma_B = sample_flow_matching(x0_BZthw, seed=seed, shift=self.shift, rows=rows)
-        s_B11111 = sigma_B.view(-1, 1, 1, 1, 1)
-        xs_BZthw = (1 - s_B11111) * x0_BZthw + s_B11111 * noise_BZthw
-        dtype = module.dtype
+    def predict(
+        self, module: nn.Module, xs_BZthw: torch.Tensor, timestep_B: torch.Tensor, context_BLD: torch.Tensor
+    ) -> torch.Tensor:
+        dtype = cast(torch.dtype, module.dtype)  # diffusers ModelMixin.dtype
         # Text stages zero padded positions exactly; a real token is never all-zero. The module builds
         # its joint-attention mask from the *count* of valid tokens (valid tokens must come first) and
         # its token refiner divides by that count: an all-padding row (a zeroed prompt) keeps token 0.
@@ -174,15 +170,13 @@ class HunyuanVideoDiTFlowMatchingStage(SourcedStage):
         pooled_BD = (context_BLD.float() * mask_BL1).sum(1) / mask_BL1.sum(1).clamp(min=1)
         guidance_B = None
         if self.guidance is not None:
-            guidance_B = torch.full(sigma_B.shape, self.guidance * 1000.0, device=sigma_B.device)
-        pred_BZthw = module(
+            guidance_B = torch.full(timestep_B.shape, self.guidance * 1000.0, device=timestep_B.device)
+        return module(
             hidden_states=xs_BZthw.to(dtype),
-            timestep=sigma_B * self.num_train_timesteps,
+            timestep=timestep_B,
             encoder_hidden_states=context_BLD.to(dtype),
             encoder_attention_mask=mask_BL,
             pooled_projections=pooled_BD.to(dtype),
             guidance=guidance_B,
             return_dict=False,
         )[0]
-        loss = F.mse_loss(pred_BZthw.float(), (noise_BZthw - x0_BZthw).float())
-        return {"loss": loss}
