@@ -24,9 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from hydra import compose, initialize_config_module
-from omegaconf import OmegaConf
-
+from mmpipe.cli import compose_config
 from mmpipe.config import DataConfig, LaunchConfig, ModelConfig, RunConfig, TrainConfig, from_dict
 from mmpipe.planning import build_workload, predict, profile
 from mmpipe.runtime.events import read_events
@@ -47,11 +45,8 @@ CASES = {  # the runtime issue's parity placements (tests/dist/test_parity.py)
 
 
 def model_preset(name: str) -> ModelConfig:
-    with initialize_config_module(config_module="mmpipe.configs", version_base="1.3"):
-        cfg = compose(config_name=f"model/{name}")
-    container = OmegaConf.to_container(cfg, resolve=True)
-    assert isinstance(container, dict)
-    return from_dict(ModelConfig, container["model"])
+    """A ``configs/model`` preset, composed as ``mmpipe plan model=NAME`` does."""
+    return from_dict(ModelConfig, compose_config("plan", [f"model={name}"])["model"])
 
 
 def plan_workloads() -> list[dict]:

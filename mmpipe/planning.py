@@ -45,6 +45,8 @@ def plan(
     global_batch: int | None = None,
     micro_batches: int = 0,
     calibration: Calibration | str | Path | None = None,
+    simulate: bool = True,
+    name: str | None = None,
 ) -> PlanReport:
     """Plan a training graph on a cluster (a :class:`Cluster` or a preset name).
 
@@ -55,12 +57,14 @@ def plan(
     cluster = Cluster.preset(cluster) if isinstance(cluster, str) else cluster
     if isinstance(calibration, str | Path):
         calibration = Calibration.load(calibration)
-    workload = Workload.of(graph.name, graph, measure_graph_costs(graph, inputs), global_batch or cluster.world_size)
+    costs = measure_graph_costs(graph, inputs)
+    workload = Workload.of(name or graph.name, graph, costs, global_batch or cluster.world_size)
     planner = Planner(
         workload,
         cluster,
         calibration=calibration,
         micro_batches=micro_batches,
+        simulate_top=3 if simulate else 0,
         batch_is_cap=global_batch is None,
         **runtime_limits(cluster),
     )
@@ -69,19 +73,18 @@ def plan(
 
 def plan_from_config(cfg: PlanConfig) -> tuple[Graph, PlanReport]:
     """Plan ``cfg.model`` on ``cfg.cluster``; the global batch defaults to one sample per device."""
-    cluster = cluster_of(cfg.cluster, cfg.nproc)
-    calibration = Calibration.load(cfg.calibration) if cfg.calibration else None
-    graph, workload = build_workload(cfg.model, cfg.data, cfg.global_batch or cluster.world_size)
-    planner = Planner(
-        workload,
-        cluster,
-        calibration=calibration,
+    graph, shapes = planning_graph(cfg.model, cfg.data)
+    report = plan(
+        graph,
+        cluster_of(cfg.cluster, cfg.nproc),
+        inputs=shapes,
+        global_batch=cfg.global_batch or None,
         micro_batches=cfg.micro_batches,
-        simulate_top=3 if cfg.simulate else 0,
-        batch_is_cap=not cfg.global_batch,
-        **runtime_limits(cluster),
+        calibration=cfg.calibration,
+        simulate=cfg.simulate,
+        name=cfg.model.name,
     )
-    return graph, planner.plan()
+    return graph, report
 
 
 def runtime_limits(cluster: Cluster) -> dict[str, Any]:
@@ -113,7 +116,7 @@ def predict(
             g.ring,
             g.recompute,
             g.offload,
-            inflight=planner._inflight(s, micro_batches),
+            inflight=planner.inflight_micro_batches(s, micro_batches),
         )
         configs[s] = cfg
     colocated = len({placement[s].ranks for s in workload.order}) == 1

@@ -202,27 +202,22 @@ def check_runtime_support(stage: str, group: DeviceGroup) -> None:
 
 def auto_placement(graph: Graph, cfg: RunConfig) -> dict[str, Any]:
     """The planner's placement of ``graph`` on ``launch.nproc`` local CPU ranks (config form)."""
-    from mmpipe.planning import default_calibration_path
+    from mmpipe.planning import default_calibration_path, plan
     from mmpipe.sched.cluster import Cluster
-    from mmpipe.sched.cost import measure_graph_costs
-    from mmpipe.sched.planner import Calibration, Planner, Workload
     from mmpipe.workloads import sample_inputs
 
     data = cfg.data
-    shapes = sample_inputs(graph, cfg.model.text_len, data.frames, data.height, data.width)
-    workload = Workload.of(cfg.model.name, graph, measure_graph_costs(graph, shapes), cfg.train.batch_size)
     path = default_calibration_path()
-    calibration = Calibration.load(path) if path.is_file() else None
-    planner = Planner(
-        workload,
+    report = plan(
+        graph,
         Cluster.local(cfg.launch.nproc),
-        calibration=calibration,
+        inputs=sample_inputs(graph, cfg.model.text_len, data.frames, data.height, data.width),
+        global_batch=cfg.train.batch_size,
         micro_batches=cfg.train.micro_batches,
-        max_sequence_parallel=1,
-        memory_policies=False,
+        calibration=path if path.is_file() else None,
+        name=cfg.model.name,
     )
-    report = planner.plan()
-    logger.info("placement=auto (%s):\n%s", "calibrated" if calibration else "uncalibrated", report.format())
+    logger.info("placement=auto (%s):\n%s", "calibrated" if path.is_file() else "uncalibrated", report.format())
     return {s: {"ranks": list(g.ranks), "dp": g.dp} for s, g in report.best.candidate.placement().items()}
 
 

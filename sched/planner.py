@@ -618,7 +618,7 @@ class Planner:
             return _divisors(b)
         return list(range(1, min(b, self.cluster.world_size) + 1))
 
-    def _inflight(self, stage: str, micro_batches: int) -> int:
+    def inflight_micro_batches(self, stage: str, micro_batches: int) -> int:
         """Micro-batches whose activations a rank of ``stage`` holds at once under 1F1B."""
         if stage not in self.w.backward:
             return 1
@@ -632,7 +632,7 @@ class Planner:
         """The fastest configuration of ``stage`` with ``dp`` replicas that fits memory."""
         best: StageConfig | None = None
         train = stage in self.w.backward
-        inflight = self._inflight(stage, micro_batches)
+        inflight = self.inflight_micro_batches(stage, micro_batches)
         recomputes = sorted({rc for rc, _ in self.policies}) if train else [0.0]
         offloads = sorted({off for _, off in self.policies}) if train else [0.0]
         for u, r in sp:
@@ -1152,26 +1152,6 @@ def _divisors(n: int) -> list[int]:
 
 def _largest_divisor_le(n: int, limit: int) -> int:
     return max(d for d in _divisors(n) if d <= limit)
-
-
-def plan(
-    workload: Workload,
-    cluster: Cluster,
-    *,
-    calibration: Calibration | None = None,
-    max_sequence_parallel: int | None = None,
-    memory_policies: bool = True,
-    micro_batches: int = 0,
-) -> PlanReport:
-    """Plan ``workload`` on ``cluster``; see :class:`Planner`."""
-    return Planner(
-        workload,
-        cluster,
-        calibration=calibration,
-        max_sequence_parallel=max_sequence_parallel,
-        memory_policies=memory_policies,
-        micro_batches=micro_batches,
-    ).plan()
 
 
 def summarize(reports: Sequence[PlanReport]) -> list[dict[str, Any]]:

@@ -19,7 +19,7 @@ from mmpipe.graph import Capabilities
 from mmpipe.sched.cluster import Cluster, Level
 from mmpipe.sched.cost import StageCost
 from mmpipe.sched.plan import DeviceGroup, Plan, PlanError
-from mmpipe.sched.planner import USABLE_MEMORY, Calibration, CostModel, Planner, Workload, plan
+from mmpipe.sched.planner import USABLE_MEMORY, Calibration, CostModel, Planner, Workload
 from mmpipe.sched.simulator import simulate
 
 GOLDEN = Path(__file__).parent.parent / "golden"
@@ -202,7 +202,7 @@ def test_sequence_parallel_groups_stay_inside_a_node() -> None:
         costs=dict(workload.costs) | {"dit": cost(14 * GB, 2e16, train=True, act=1200 * GB, tokens=75600, heads=40)},
     )
     cluster = Cluster.preset("h200_64")
-    report = plan(workload, cluster)
+    report = Planner(workload, cluster).plan()
     groups = report.best.candidate.placement()
     dit = groups["dit"]
     assert dit.sp > 1, "a 1.2 TB-per-sample DiT needs its sequence split"
@@ -214,7 +214,7 @@ def test_sequence_parallel_groups_stay_inside_a_node() -> None:
 def test_baselines_and_lower_bound_are_reported() -> None:
     rng = random.Random(3)
     workload = t2v_workload(rng, 16)
-    report = plan(workload, Cluster.preset("h200_64"))
+    report = Planner(workload, Cluster.preset("h200_64")).plan()
     j = report.to_json()
     assert j["plan"]["fits_memory"] and j["colocated_sequential"] is not None
     assert j["vs_lower_bound"] <= 1.0 + 1e-9
@@ -261,7 +261,7 @@ def test_memory_policy_trades_time_for_memory() -> None:
 def test_plan_text_round_trips_sequence_parallel_and_memory_policy() -> None:
     rng = random.Random(4)
     workload = t2v_workload(rng, 8)
-    report = plan(workload, Cluster.preset("h200_8"))
+    report = Planner(workload, Cluster.preset("h200_8")).plan()
     full = report.plan(workload.graph)
     assert Plan.from_text(full.to_text()) == full
     group = DeviceGroup((0, 1, 2, 3), dp=1, ulysses=2, ring=2, recompute=0.5, offload=0.25)
@@ -282,14 +282,14 @@ def golden_check(name: str, text: str) -> None:
 
 def test_golden_synthetic_t2v_on_one_node() -> None:
     workload = t2v_workload(random.Random(11), 16)
-    report = plan(workload, Cluster.preset("h200_8"))
+    report = Planner(workload, Cluster.preset("h200_8")).plan()
     golden_check("synthetic_t2v_h200_8", report.best.candidate.layout + "\n" + report.plan(workload.graph).to_text())
 
 
 def test_golden_synthetic_chain_on_two_nodes() -> None:
     workload = chain_workload(random.Random(12), 16)
     cluster = dataclasses.replace(Cluster.preset("h200_8"), world_size=16)
-    report = plan(workload, cluster)
+    report = Planner(workload, cluster).plan()
     golden_check("synthetic_chain_16", report.best.candidate.layout + "\n" + report.plan(workload.graph).to_text())
 
 
