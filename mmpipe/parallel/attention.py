@@ -1,0 +1,214 @@
+"""The local attention core: output *and* log-sum-exp (LSE) on every backend, with an explicit backward.
+
+Ring attention computes a query block against one key/value block at a time and merges the partial
+outputs with their LSEs; its backward calls the core's backward per block with the *merged* output
+and LSE, which is exactly the global softmax restricted to that block (FlashAttention-2's backward).
+So every backend a ring may use must return the LSE and accept an external output and LSE in its
+backward. Backends are chosen once, by :func:`select_backend` (device and dtype, or a config name).
+
+- ``torch``: ATen's fused flash kernels, ``_scaled_dot_product_flash_attention_for_cpu`` (+
+  ``_backward``) on CPU, ``_scaled_dot_product_flash_attention`` (+ ``_backward``) on CUDA for
+  fp16 / bf16. Returns the LSE.
+- ``math``: explicit softmax in the input dtype; any device and dtype (the float64 reference of the
+  tests). Returns the LSE.
+- ``sdpa``: ``F.scaled_dot_product_attention``, whichever kernel PyTorch dispatches to; no LSE, so
+  it serves Ulysses and unsplit attention and refuses ring mode.
+
+Legend: B batch, H heads, S query length, T key length, D head dim. Layout is ``BHSD`` throughout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+ForwardFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool, float], tuple[torch.Tensor, torch.Tensor]]
+BackwardFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+class AttentionBackend(enum.StrEnum):
+    """Names of the attention backends (config values)."""
+
+    TORCH = "torch"
+    MATH = "math"
+    SDPA = "sdpa"
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionImpl:
+    """One backend: ``forward(q, k, v, causal, scale) -> (out, lse)`` and
+    ``backward(dout, q, k, v, out, lse, causal, scale) -> (dq, dk, dv)``; ``None`` where it has none."""
+
+    name: AttentionBackend
+    forward: ForwardFn | None
+    backward: BackwardFn | None
+
+    @property
+    def returns_lse(self) -> bool:
+        """Whether ring attention can use it."""
+        return self.forward is not None and self.backward is not None
+
+
+def _torch_forward(
+    q_BHSD: torch.Tensor, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if q_BHSD.is_cuda:
+        out = torch.ops.aten._scaled_dot_product_flash_attention(q_BHSD, k_BHTD, v_BHTD, 0.0, causal, scale=scale)
+        return out[0], out[1]
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q_BHSD, k_BHTD, v_BHTD, 0.0, causal, scale=scale)
+    return out, lse
+
+
+def _torch_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if q.is_cuda:
+        # The CUDA flash backward takes the sequence bookkeeping of its forward; without dropout the
+        # philox state is unused, so empty tensors stand in for it.
+        zero = torch.zeros((), dtype=torch.int64, device=q.device)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse, zero, zero, q.shape[2], k.shape[2], 0.0, causal, zero, zero, scale=scale
+        )
+        return dq, dk, dv
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout.contiguous(), q, k, v, out, lse, 0.0, causal, scale=scale
+    )
+    return dq, dk, dv
+
+
+def _math_scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+    s_BHST = (q @ k.transpose(-1, -2)) * scale
+    if causal:  # top-left aligned, as ATen's kernels
+        keep = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+        s_BHST = s_BHST.masked_fill(~keep, float("-inf"))
+    return s_BHST
+
+
+def _math_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    s_BHST = _math_scores(q, k, causal, scale)
+    lse_BHS = torch.logsumexp(s_BHST, dim=-1)
+    return torch.exp(s_BHST - lse_BHS.unsqueeze(-1)) @ v, lse_BHS
+
+
+def _math_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    p_BHST = torch.exp(_math_scores(q, k, causal, scale) - lse.unsqueeze(-1))
+    dv = p_BHST.transpose(-1, -2) @ dout
+    dp_BHST = dout @ v.transpose(-1, -2)
+    delta_BHS1 = (dout * out).sum(-1, keepdim=True)
+    ds_BHST = p_BHST * (dp_BHST - delta_BHS1)
+    return (ds_BHST @ k) * scale, (ds_BHST.transpose(-1, -2) @ q) * scale, dv
+
+
+_BACKENDS = {
+    AttentionBackend.TORCH: AttentionImpl(AttentionBackend.TORCH, _torch_forward, _torch_backward),
+    AttentionBackend.MATH: AttentionImpl(AttentionBackend.MATH, _math_forward, _math_backward),
+    AttentionBackend.SDPA: AttentionImpl(AttentionBackend.SDPA, None, None),
+}
+
+
+def select_backend(name: str | AttentionBackend | None = None, *, device: torch.device | str = "cpu") -> AttentionImpl:
+    """The backend named ``name`` (a config value), or the default for ``device``: ``torch``."""
+    if name is None:
+        return _BACKENDS[AttentionBackend.TORCH]
+    try:
+        return _BACKENDS[AttentionBackend(name)]
+    except ValueError:
+        raise ValueError(
+            f"unknown attention backend {name!r} (choose from {[b.value for b in AttentionBackend]})"
+        ) from None
+
+
+def _supports(impl: AttentionImpl, q: torch.Tensor) -> AttentionImpl:
+    """Fall back to ``math`` where the fused kernel has no implementation (CUDA flash: fp16 / bf16 only)."""
+    if impl.name == AttentionBackend.TORCH and q.is_cuda and q.dtype not in (torch.float16, torch.bfloat16):
+        return _BACKENDS[AttentionBackend.MATH]
+    return impl
+
+
+def attention_with_lse(
+    impl: AttentionImpl, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out_BHSD, lse_BHS)`` of one block, no autograd (ring attention's building block)."""
+    impl = _supports(impl, q)
+    if impl.forward is None:
+        raise ValueError(
+            f"attention backend {impl.name.value!r} cannot return the log-sum-exp that ring attention merges "
+            f"partial results with; use {AttentionBackend.TORCH.value!r} or {AttentionBackend.MATH.value!r}"
+        )
+    return impl.forward(q, k, v, causal, scale)
+
+
+def attention_backward(
+    impl: AttentionImpl,
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` of one block given the (possibly merged) ``out`` and ``lse``."""
+    impl = _supports(impl, q)
+    assert impl.backward is not None, "attention_with_lse refuses backends without an LSE"
+    return impl.backward(dout, q, k, v, out, lse, causal, scale)
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: AttentionImpl, causal: bool, scale: float) -> torch.Tensor:  # type: ignore[override]
+        out, lse = attention_with_lse(impl, q, k, v, causal=causal, scale=scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.impl, ctx.causal, ctx.scale = impl, causal, scale
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = attention_backward(ctx.impl, dout, q, k, v, out, lse, causal=ctx.causal, scale=ctx.scale)
+        return dq, dk, dv, None, None, None
+
+
+def local_attention(
+    q_BHSD: torch.Tensor,
+    k_BHTD: torch.Tensor,
+    v_BHTD: torch.Tensor,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    impl: AttentionImpl | None = None,
+) -> torch.Tensor:
+    """Unsplit attention on this rank's tensors, differentiable, through ``impl`` (default ``torch``)."""
+    impl = impl or select_backend(device=q_BHSD.device)
+    scale = 1.0 / math.sqrt(q_BHSD.shape[-1]) if scale is None else scale
+    if q_BHSD.shape[2] == 0 or k_BHTD.shape[2] == 0:  # the fused CPU kernel crashes on empty sequences
+        return q_BHSD.new_zeros((*q_BHSD.shape[:3], v_BHTD.shape[-1])) + 0 * (q_BHSD.sum() + k_BHTD.sum() + v_BHTD.sum())
+    if impl.forward is None:
+        return F.scaled_dot_product_attention(q_BHSD, k_BHTD, v_BHTD, is_causal=causal, scale=scale)
+    return _Attention.apply(q_BHSD, k_BHTD, v_BHTD, impl, causal, scale)

@@ -1,0 +1,48 @@
+"""Run a function on ``world`` gloo processes and collect what each returns (rank order)."""
+
+from __future__ import annotations
+
+import os
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from mmpipe.runtime.launch import free_port
+
+
+def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], queue: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        queue.put((rank, fn(rank, world, *args), None))
+    except Exception:
+        queue.put((rank, None, traceback.format_exc()))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run_workers(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 300) -> list[Any]:
+    """``[fn(rank, world, *args) for each rank]``, each in its own process; a worker's error fails the caller."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    try:
+        for _ in procs:
+            rank, value, error = queue.get(timeout=timeout)
+            if error is not None:
+                raise AssertionError(f"rank {rank} failed:\n{error}")
+            results[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return [results[r] for r in range(world)]
