@@ -19,11 +19,14 @@ from __future__ import annotations
 import abc
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import networkx as nx
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from mmpipe.parallel.sequence import SequenceMesh
 
 INPUT = "input"
 
@@ -121,6 +124,25 @@ class Stage(abc.ABC):
     @abc.abstractmethod
     def forward(self, module: nn.Module, inputs: Mapping[str, Any], **options: Any) -> dict[str, Any]:
         """Compute the output ports from the input ports."""
+
+    # ---- sequence parallelism (stages with ``capabilities.sequence_parallel``) ------------------
+    #: ports a sequence-parallel replica splits, ``port -> dim``; the others are whole on every rank
+    sequence_inputs: Mapping[str, int] = {}
+    sequence_outputs: Mapping[str, int] = {}
+    #: the stage's attention is causal: its sequence is split zig-zag (see mmpipe.parallel.sequence)
+    sequence_causal: bool = False
+
+    def check_sequence_parallel(self, ulysses: int, ring: int) -> None:
+        """Raise a ``ValueError`` naming the values unless the stage can run split ``ulysses x ring``
+        ways (checked before any worker starts)."""
+        if ulysses * ring > 1 and not self.capabilities.sequence_parallel:
+            raise ValueError(
+                f"stage {self.name!r} ({self.kind}) cannot be sequence parallel (ulysses={ulysses} ring={ring})"
+            )
+
+    def parallelize_sequence(self, module: nn.Module, mesh: SequenceMesh) -> None:
+        """Make ``module`` run on this rank's shard of the sequence under ``mesh`` (in place)."""
+        raise ValueError(f"stage {self.name!r} ({self.kind}) cannot be sequence parallel")
 
     @property
     def module(self) -> nn.Module:

@@ -26,26 +26,39 @@ from diffusers import HunyuanVideoTransformer3DModel, WanTransformer3DModel
 from torch import nn
 
 from mmpipe.graph import Capabilities, TensorSpec
+from mmpipe.parallel.modules import SequenceParallelProcessor, SequenceState
+from mmpipe.parallel.sequence import SequenceMesh, check_heads
+from mmpipe.runtime.reshard import Region
 from mmpipe.stages._source import ModuleSource, SourcedStage
 
 
 def sample_flow_matching(
-    latents_BZthw: torch.Tensor, *, seed: int, shift: float, rows: tuple[int, int, int] | None = None
+    latents_BZthw: torch.Tensor,
+    *,
+    seed: int,
+    shift: float,
+    rows: tuple[int, int, int] | None = None,
+    frames: tuple[int, int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw ``(noise, sigma_B)`` on the CPU from ``seed`` (device-independent), shifted by ``shift``.
 
     ``rows=(start, stop, total)``: the latents are rows ``[start, stop)`` of a micro-batch of
-    ``total``; the draw is made for the whole micro-batch and sliced, so a data-parallel slice sees
-    exactly the noise the single-process run gives those rows.
+    ``total``; ``frames=(start, stop, total)``: and latent frames ``[start, stop)`` of ``total``
+    (a sequence-parallel shard). The draw is made for the whole micro-batch and sliced, so a
+    data- or sequence-parallel shard sees exactly the noise the single-process run gives it.
     """
     start, stop, total = rows if rows is not None else (0, latents_BZthw.shape[0], latents_BZthw.shape[0])
-    if stop - start != latents_BZthw.shape[0]:
-        raise ValueError(f"rows {start}:{stop} do not match a batch of {latents_BZthw.shape[0]}")
+    f0, f1, frames_total = frames if frames is not None else (0, latents_BZthw.shape[2], latents_BZthw.shape[2])
+    if stop - start != latents_BZthw.shape[0] or f1 - f0 != latents_BZthw.shape[2]:
+        raise ValueError(
+            f"rows {start}:{stop} and frames {f0}:{f1} do not match latents of shape {tuple(latents_BZthw.shape)}"
+        )
     gen = torch.Generator().manual_seed(seed)
     u_B = torch.rand(total, generator=gen, dtype=torch.float32)
     sigma_B = shift * u_B / (1 + (shift - 1) * u_B)
-    noise = torch.randn((total, *latents_BZthw.shape[1:]), generator=gen, dtype=torch.float32)
-    return noise[start:stop].to(latents_BZthw.device), sigma_B[start:stop].to(latents_BZthw.device)
+    z, _, h, w = latents_BZthw.shape[1:]
+    noise = torch.randn((total, z, frames_total, h, w), generator=gen, dtype=torch.float32)
+    return noise[start:stop, :, f0:f1].to(latents_BZthw.device), sigma_B[start:stop].to(latents_BZthw.device)
 
 
 class FlowMatchingDiTStage(SourcedStage):
@@ -78,6 +91,28 @@ class FlowMatchingDiTStage(SourcedStage):
     def outputs(self) -> Mapping[str, TensorSpec]:
         return {"loss": TensorSpec((), torch.float32)}
 
+    # A sequence-parallel replica splits the latents by whole frames (patch_size_t == 1): each rank
+    # patch-embeds and unpatchifies only its frames, whose tokens are a contiguous range of the
+    # (frame, height, width)-ordered sequence. The VAE -> DiT edge then moves only each rank's frames
+    # and training needs no gather: each rank's loss is its frames' share of the mean.
+    sequence_inputs = {"latents": 2}
+
+    def check_sequence_parallel(self, ulysses: int, ring: int) -> None:
+        super().check_sequence_parallel(ulysses, ring)
+        cfg = self.source.config
+        check_heads(cfg.num_attention_heads, ulysses, what=f"stage {self.name!r}")
+        patch_t = cfg.patch_size[0] if isinstance(cfg.patch_size, list | tuple) else getattr(cfg, "patch_size_t", 1)
+        if ulysses * ring > 1 and patch_t != 1:
+            raise ValueError(f"stage {self.name!r}: sequence parallelism splits whole frames, but patch_size_t={patch_t}")
+
+    def parallelize_sequence(self, module: nn.Module, mesh: SequenceMesh) -> None:
+        self._sequence = SequenceState(mesh)
+        self.apply_sequence_hooks(module, self._sequence)
+
+    @abc.abstractmethod
+    def apply_sequence_hooks(self, module: nn.Module, state: SequenceState) -> None:
+        """Wrap the module's self-attention processors and position embedding for ``state``."""
+
     def forward(
         self,
         module: nn.Module,
@@ -85,15 +120,34 @@ class FlowMatchingDiTStage(SourcedStage):
         *,
         seed: int = 0,
         rows: tuple[int, int, int] | None = None,
+        shards: Mapping[str, Region] | None = None,
         **_: Any,
     ) -> dict[str, Any]:
         x0_BZthw, context_BLD = inputs["latents"], inputs["context"]
-        noise_BZthw, sigma_B = sample_flow_matching(x0_BZthw, seed=seed, shift=self.shift, rows=rows)
+        frames = None
+        if shards is not None and "latents" in shards:
+            region = shards["latents"]
+            if len(region.ranges) != 1:
+                raise ValueError(
+                    f"stage {self.name!r}: {region.length} latent frames cannot be split over "
+                    f"{self._sequence.mesh.layout.sp} sequence-parallel ranks (every rank needs at least one frame)"
+                )
+            frames = (*region.ranges[0], region.length)
+        noise_BZthw, sigma_B = sample_flow_matching(x0_BZthw, seed=seed, shift=self.shift, rows=rows, frames=frames)
         s_B11111 = sigma_B.view(-1, 1, 1, 1, 1)
         xs_BZthw = (1 - s_B11111) * x0_BZthw + s_B11111 * noise_BZthw
-        pred_BZthw = self.predict(module, xs_BZthw, sigma_B * self.num_train_timesteps, context_BLD)
-        loss = F.mse_loss(pred_BZthw.float(), (noise_BZthw - x0_BZthw).float())
-        return {"loss": loss}
+        timestep_B = sigma_B * self.num_train_timesteps
+        if frames is None:
+            pred_BZthw = self.predict(module, xs_BZthw, timestep_B, context_BLD)
+            return {"loss": F.mse_loss(pred_BZthw.float(), (noise_BZthw - x0_BZthw).float())}
+        cfg = self.source.config
+        p_h, p_w = (cfg.patch_size[1:] if isinstance(cfg.patch_size, list | tuple) else (cfg.patch_size,) * 2)
+        per_frame = (x0_BZthw.shape[3] // p_h) * (x0_BZthw.shape[4] // p_w)
+        with self._sequence.tokens(frames[2] * per_frame, unit=per_frame):
+            pred_BZthw = self.predict(module, xs_BZthw, timestep_B, context_BLD)
+        # This rank's share of the mean over all frames: the shares of a replica sum to its loss.
+        whole = x0_BZthw.numel() // x0_BZthw.shape[2] * frames[2]
+        return {"loss": (pred_BZthw.float() - (noise_BZthw - x0_BZthw).float()).square().sum() / whole}
 
     @abc.abstractmethod
     def predict(
@@ -107,6 +161,22 @@ class WanDiTFlowMatchingStage(FlowMatchingDiTStage):
 
     model_cls = WanTransformer3DModel
     context_dim_key = "text_dim"
+
+    def apply_sequence_hooks(self, module: nn.Module, state: SequenceState) -> None:
+        """Self-attention (``attn1``) through the sequence-parallel processor; the rotary table of the
+        whole frame grid, cut to this rank's tokens."""
+        for block in cast(Any, module).blocks:
+            block.attn1.set_processor(SequenceParallelProcessor(block.attn1.processor, state))
+
+        def rotary_for_shard(rope: nn.Module, args: tuple[Any, ...], _: Any) -> tuple[torch.Tensor, ...]:
+            (local_BZthw,) = args
+            assert state.length is not None
+            total = state.length // state.unit
+            whole = torch.empty((*local_BZthw.shape[:2], total, *local_BZthw.shape[3:]), device="meta")
+            layout, index = state.token_mesh.layout, state.mesh.index
+            return tuple(layout.shard(f, 1, index) for f in rope.forward(whole))
+
+        cast(Any, module).rope.register_forward_hook(rotary_for_shard)
 
     def predict(
         self, module: nn.Module, xs_BZthw: torch.Tensor, timestep_B: torch.Tensor, context_BLD: torch.Tensor
@@ -156,6 +226,18 @@ class HunyuanVideoDiTFlowMatchingStage(FlowMatchingDiTStage):
         elif guidance is not None:
             raise ValueError(f"stage {name!r}: guidance={guidance} given but the module has guidance_embeds=False")
         self.guidance = guidance
+
+    def check_sequence_parallel(self, ulysses: int, ring: int) -> None:
+        # HunyuanVideo attends jointly over video and (masked, padded) text tokens in every block; the
+        # sequence-parallel attention here takes neither masks nor a replicated text tail yet.
+        if ulysses * ring > 1:
+            raise ValueError(
+                f"stage {self.name!r}: the HunyuanVideo DiT does not run sequence parallel yet "
+                f"(ulysses={ulysses} ring={ring}); its joint text-video attention needs a masked text tail"
+            )
+
+    def apply_sequence_hooks(self, module: nn.Module, state: SequenceState) -> None:
+        self.check_sequence_parallel(state.mesh.layout.ulysses, state.mesh.layout.ring)
 
     def predict(
         self, module: nn.Module, xs_BZthw: torch.Tensor, timestep_B: torch.Tensor, context_BLD: torch.Tensor

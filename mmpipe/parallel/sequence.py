@@ -78,18 +78,31 @@ class SequenceLayout:
     ulysses: int = 1
     ring: int = 1
     zigzag: bool = False
+    unit: int = 1  # split in whole units of this many tokens (e.g. the tokens of one latent frame)
 
     @property
     def sp(self) -> int:
         """Ranks per replica."""
         return self.ulysses * self.ring
 
+    def _units(self, length: int) -> int:
+        if length % self.unit:
+            raise ValueError(f"a sequence of {length} tokens is not a whole number of {self.unit}-token units")
+        return length // self.unit
+
+    def _scale(self, ranges: list[Range]) -> list[Range]:
+        return [(a * self.unit, b * self.unit) for a, b in ranges if a < b]
+
+    def ring_ranges(self, length: int, j: int) -> list[Range]:
+        """The token ranges of ring block ``j`` (both zig-zag chunks, possibly empty ones)."""
+        return [(a * self.unit, b * self.unit) for a, b in ring_block(self._units(length), self.ring, j, zigzag=self.zigzag)]
+
     def ranges(self, length: int, index: int) -> list[Range]:
         """The token ranges sp rank ``index`` holds (ascending positions, empty ranges dropped)."""
         j, u = divmod(index, self.ulysses)
-        block = ring_block(length, self.ring, j, zigzag=self.zigzag)
+        block = ring_block(self._units(length), self.ring, j, zigzag=self.zigzag)
         n = sum(b - a for a, b in block)
-        return _sub_ranges(block, *split_range(n, self.ulysses, u))
+        return self._scale(_sub_ranges(block, *split_range(n, self.ulysses, u)))
 
     def size(self, length: int, index: int) -> int:
         """How many tokens sp rank ``index`` holds."""
@@ -263,8 +276,7 @@ class _Ring:
 
 
 def _make_ring(mesh: SequenceMesh, length: int, causal: bool) -> _Ring:
-    lay = mesh.layout
-    blocks = [ring_block(length, lay.ring, j, zigzag=causal) for j in range(lay.ring)]
+    blocks = [mesh.layout.ring_ranges(length, j) for j in range(mesh.layout.ring)]
     return _Ring(
         mesh.ring_ranks,
         mesh.ring_group,

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import io
 import os
 import traceback
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -17,7 +19,11 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        queue.put((rank, fn(rank, world, *args), None))
+        # Serialised, not shared: a tensor sent through the queue would live in this process's
+        # shared memory, which is gone once it exits.
+        buf = io.BytesIO()
+        torch.save(fn(rank, world, *args), buf)
+        queue.put((rank, buf.getvalue(), None))
     except Exception:
         queue.put((rank, None, traceback.format_exc()))
         raise
@@ -39,7 +45,7 @@ def run_workers(fn: Callable[..., Any], world: int, *args: Any, timeout: float =
             rank, value, error = queue.get(timeout=timeout)
             if error is not None:
                 raise AssertionError(f"rank {rank} failed:\n{error}")
-            results[rank] = value
+            results[rank] = torch.load(io.BytesIO(value), weights_only=False)
     finally:
         for p in procs:
             p.join(timeout=30)

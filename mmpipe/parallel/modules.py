@@ -1,0 +1,104 @@
+"""Model-agnostic glue that makes unmodified diffusers / transformers attention run sequence parallel.
+
+diffusers attention processors and transformers attention functions end in
+``F.scaled_dot_product_attention`` on ``BHSD`` tensors. :class:`SequenceParallelProcessor` wraps a
+diffusers processor and, for self-attention only, routes that one call to
+:func:`~mmpipe.parallel.sequence.sequence_parallel_attention` (a ``TorchFunctionMode`` active for the
+duration of the processor call), so projections, norms and rotary embeddings stay the model's own
+code. Cross-attention is left alone: its queries are this rank's tokens and its keys / values the
+whole (replicated) text context, which is already exact.
+
+The sequence's global length changes per call (resolution, frames), so it lives in a
+:class:`SequenceState` that the stage sets around each forward (:meth:`SequenceState.tokens`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from mmpipe.parallel.attention import AttentionImpl
+from mmpipe.parallel.sequence import SequenceMesh, sequence_parallel_attention
+
+
+@dataclasses.dataclass
+class SequenceState:
+    """A stage replica's mesh and the sequence currently being processed (``length`` tokens, split in
+    units of ``unit`` tokens, e.g. one latent frame)."""
+
+    mesh: SequenceMesh
+    impl: AttentionImpl | None = None
+    length: int | None = None
+    unit: int = 1
+
+    @contextlib.contextmanager
+    def tokens(self, length: int, *, unit: int = 1) -> Iterator[None]:
+        """Within the block, attention calls see a sequence of ``length`` tokens."""
+        self.length, self.unit = length, unit
+        try:
+            yield
+        finally:
+            self.length = None
+
+    @property
+    def token_mesh(self) -> SequenceMesh:
+        """The mesh with the layout in tokens (units of ``unit`` tokens)."""
+        return dataclasses.replace(self.mesh, layout=dataclasses.replace(self.mesh.layout, unit=self.unit))
+
+    def attention(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+    ) -> torch.Tensor:
+        """``F.scaled_dot_product_attention``'s signature, over the whole split sequence."""
+        if self.length is None:
+            raise RuntimeError("sequence-parallel attention called outside SequenceState.tokens()")
+        if attn_mask is not None or dropout_p or enable_gqa:
+            raise ValueError(
+                "sequence-parallel attention supports neither attention masks, dropout nor grouped-query "
+                f"broadcasting (got attn_mask={attn_mask is not None}, dropout_p={dropout_p}, enable_gqa={enable_gqa})"
+            )
+        return sequence_parallel_attention(
+            query, key, value, mesh=self.token_mesh, length=self.length, causal=is_causal, scale=scale, impl=self.impl
+        )
+
+
+class RouteSDPA(TorchFunctionMode):
+    """Sends ``F.scaled_dot_product_attention`` calls to ``fn``; everything else runs unchanged."""
+
+    def __init__(self, fn: Callable[..., torch.Tensor]) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is F.scaled_dot_product_attention:
+            return self.fn(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
+class SequenceParallelProcessor:
+    """A diffusers attention processor whose self-attention is sequence parallel (see the module doc)."""
+
+    def __init__(self, inner: Any, state: SequenceState) -> None:
+        self.inner, self.state = inner, state
+
+    def __getattr__(self, name: str) -> Any:  # diffusers reads backend attributes off processors
+        return getattr(self.inner, name)
+
+    def __call__(self, attn: Any, hidden_states: torch.Tensor, encoder_hidden_states: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if encoder_hidden_states is not None:
+            return self.inner(attn, hidden_states, encoder_hidden_states, *args, **kwargs)
+        with RouteSDPA(self.state.attention):
+            return self.inner(attn, hidden_states, None, *args, **kwargs)
