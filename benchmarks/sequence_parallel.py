@@ -30,7 +30,9 @@ the backward. So on CPU yunchang runs with ``torch_math``; each row it cannot ru
 gets wrong (error above tolerance) reports ``yunchang_s: null`` and the reason in ``note``.
 ``--yunchang-cpu-shim`` instead plugs ATen's CPU flash kernel (the one mmpipe uses) into yunchang's
 ring functions by patching their kernel lookup, to compare the two orchestrations with one kernel;
-such rows say so in ``yunchang_attn``.
+such rows say so in ``yunchang_attn``. Its backward is only right with ``--dtype bfloat16``: in float32
+yunchang's ring backward aliases its gradient accumulators with the kernel's output buffers, and on
+gloo a 1-rank ring (``ulysses`` mode) fails because yunchang's backward sends to itself.
 
 GPU (``--device cuda``, or auto when at least 2 GPUs are visible): NCCL, one process per GPU,
 bfloat16, larger shapes; yunchang uses the flash-attn backend (``fa``) when ``flash_attn`` imports,
@@ -363,6 +365,27 @@ def _row(
     }
 
 
+def _explain(note: str, c: Case, st: Settings, backward: bool) -> str:
+    """``note`` with the cause found in yunchang's source, where known."""
+    if (
+        "is wrong" in note
+        and st.yunchang_attn in ("auto", "torch_math")
+        and st.device == "cpu"
+        and not st.yunchang_cpu_shim
+    ):
+        if c.ring > 1:
+            note += " (torch_math returns a zero LSE, so the ring merges its blocks with equal weights)"
+    elif "is wrong" in note and st.yunchang_cpu_shim and backward and st.dtype == "float32" and c.ring > 1:
+        note += (
+            " (yunchang's ring backwards start their accumulators as `dq_buffer.to(torch.float32)` etc., the"
+            " buffers themselves in float32, which the next block's kernel overwrites; flash-attn is fp16/bf16 only,"
+            " so GPUs never hit it; try --dtype bfloat16)"
+        )
+    elif "Pair is not connected" in note and c.ring == 1:
+        note += " (gloo: yunchang's ring backward sends dk/dv to itself even on a 1-rank ring; NCCL allows that)"
+    return note
+
+
 def run_cases(rank: int, world: int, cases: list[Case], st: Settings) -> list[dict[str, Any]]:
     device = torch.device(st.device, rank) if st.device == "cuda" else torch.device("cpu")
     scale = 1.0 / math.sqrt(st.head_dim)
@@ -440,11 +463,12 @@ def run_cases(rank: int, world: int, cases: list[Case], st: Settings) -> list[di
             if yc is not None and note is None:
                 yc_err, why = _check(yc, backward, want, device)
                 if yc_err is None:
-                    note = f"yunchang ({attn_label}) raised {why}"
+                    note = _explain(f"yunchang ({attn_label}) raised {why}", c, st, backward)
                 elif yc_err > _tolerance(st, ours_err):
-                    note = f"yunchang ({attn_label}) is wrong: max err {yc_err:.3g} > tolerance {_tolerance(st, ours_err):.3g}"
-                    if attn_label == "torch_math" and c.ring > 1:
-                        note += " (torch_math returns a zero LSE, so ring merges weigh blocks equally)"
+                    tol = _tolerance(st, ours_err)
+                    note = _explain(
+                        f"yunchang ({attn_label}) is wrong: max err {yc_err:.3g} > tolerance {tol:.3g}", c, st, backward
+                    )
                 if note is not None and not backward:
                     yc_fwd_note = note + " [forward; backward not attempted]"
             timed = [ours] + ([yc] if yc is not None and note is None else [])
@@ -519,7 +543,7 @@ HEADER = f"{'ranks':>5} {'mode':<7} {'causal':<6} {'seq':>6} {'heads':>5} {'pass
 
 
 def _fmt(x: float | None, spec: str) -> str:
-    return "-" if x is None else format(x, spec)
+    return format(x, spec) if x is not None else "-".rjust(int(spec.split(".")[0]))
 
 
 def _format_row(r: dict[str, Any]) -> str:
@@ -540,7 +564,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--quick", action="store_true", help="tiny shapes, 2 repetitions: a smoke run of seconds")
     p.add_argument("--worlds", type=int, nargs="+", help="rank counts (default: 2 4 on CPU; 2 4 8 up to the GPU count)")
-    p.add_argument("--seq", type=int, nargs="+", help="sequence lengths (default: CPU 2048 4096; GPU 16384 65536)")
+    p.add_argument("--seq", type=int, nargs="+", help="sequence lengths (default: CPU 2048 8192; GPU 16384 65536)")
     p.add_argument("--heads", type=int, nargs="+", help="head counts (default: CPU 8; GPU 24 40)")
     p.add_argument("--head-dim", type=int, help="default: CPU 64, GPU 128")
     p.add_argument("--batch", type=int, default=1)
@@ -571,7 +595,7 @@ def main(argv: list[str] | None = None) -> None:
     elif gpu:
         seqs, heads, head_dim, reps, warmup = [16384, 65536], [24, 40], 128, 10, 3
     else:
-        seqs, heads, head_dim, reps, warmup = [2048, 4096], [8], 64, 3, 1
+        seqs, heads, head_dim, reps, warmup = [2048, 8192], [8], 64, 3, 1
     worlds = args.worlds or ([w for w in (2, 4, 8) if w <= n_gpu] if gpu else [2, 4])
     if gpu and max(worlds) > n_gpu:
         raise SystemExit(f"{max(worlds)} ranks need {max(worlds)} GPUs, found {n_gpu}")

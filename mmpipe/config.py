@@ -140,6 +140,18 @@ class LaunchConfig:
 
 
 @dataclasses.dataclass(kw_only=True)
+class StageParallelConfig:
+    """Sequence parallelism of one stage (``parallel.dit.ulysses=2 parallel.dit.ring=2``): each data-
+    parallel replica of the stage spans ``ulysses x ring`` of its placed ranks."""
+
+    ulysses: int = 1
+    ring: int = 1
+
+    def __post_init__(self) -> None:
+        _positive("parallel.<stage>", self, "ulysses", "ring")
+
+
+@dataclasses.dataclass(kw_only=True)
 class RunConfig:
     """Root config of ``mmpipe train``."""
 
@@ -151,6 +163,10 @@ class RunConfig:
     # stage -> ranks: {text: [0], vae: [0], dit: {ranks: [1, 2], dp: 2}}; None: derived from launch.nproc;
     # "auto": chosen by the planner for launch.nproc local ranks
     placement: dict[str, Any] | Literal["auto"] | None = None
+    # stage -> sequence parallelism, applied to the stage's placed ranks (dp = ranks / (ulysses x ring))
+    parallel: dict[str, StageParallelConfig] = dataclasses.field(
+        default_factory=lambda: {"dit": StageParallelConfig(), "llm": StageParallelConfig()}
+    )
 
     def __post_init__(self) -> None:
         if self.data.val_samples < self.train.batch_size:
@@ -266,6 +282,8 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
     if origin is dict:
         if not isinstance(value, dict):
             raise ValueError(f"{key}={value!r}: expected a mapping")
+        if args and dataclasses.is_dataclass(args[1]):
+            return {k: from_dict(args[1], v, f"{key}.{k}.") for k, v in value.items()}
         return value
     if origin is Literal:
         if value not in args:

@@ -140,6 +140,10 @@ class Stage(abc.ABC):
                 f"stage {self.name!r} ({self.kind}) cannot be sequence parallel (ulysses={ulysses} ring={ring})"
             )
 
+    def sequence_length(self, inputs: Mapping[str, Any]) -> int:
+        """The whole length of the split sequence, from this rank's inputs (stages with ``sequence_outputs``)."""
+        raise NotImplementedError(f"stage {self.name!r} ({self.kind}) declares no split outputs")
+
     def parallelize_sequence(self, module: nn.Module, mesh: SequenceMesh) -> None:
         """Make ``module`` run on this rank's shard of the sequence under ``mesh`` (in place)."""
         raise ValueError(f"stage {self.name!r} ({self.kind}) cannot be sequence parallel")

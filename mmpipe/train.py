@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
 from mmpipe.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from mmpipe.config import DataConfig, ModelConfig, RunConfig, from_dict, to_dict
+from mmpipe.config import DataConfig, ModelConfig, RunConfig, StageParallelConfig, from_dict, to_dict
 from mmpipe.data import FolderVideoDataset, MovingShapesDataset, caption_vocabulary
 from mmpipe.graph import Graph
 from mmpipe.pipelines import T2V_TRAIN_STAGES, U2G_TRAIN_STAGES, build_t2v_training_graph, build_u2g_training_graph
@@ -186,13 +186,7 @@ def check_placement(cfg: RunConfig) -> None:
 
 
 def check_runtime_support(stage: str, group: DeviceGroup) -> None:
-    """The CPU runtime runs data parallelism only: sequence parallelism (ulysses / ring) and
-    activation recompute / offload are planned but not executed yet."""
-    if group.sp > 1:
-        raise PlanError(
-            f"placement.{stage}: ulysses={group.ulysses} ring={group.ring}: the runtime does not run "
-            "sequence parallelism yet; use ulysses=1 ring=1"
-        )
+    """Activation recompute / offload are planned but not executed by the runtime yet."""
     if group.recompute or group.offload:
         raise PlanError(
             f"placement.{stage}: recompute={group.recompute} offload={group.offload}: the runtime does not "
@@ -218,7 +212,49 @@ def auto_placement(graph: Graph, cfg: RunConfig) -> dict[str, Any]:
         name=cfg.model.name,
     )
     logger.info("placement=auto (%s):\n%s", "calibrated" if path.is_file() else "uncalibrated", report.format())
-    return {s: {"ranks": list(g.ranks), "dp": g.dp} for s, g in report.best.candidate.placement().items()}
+    return {
+        s: {"ranks": list(g.ranks), "dp": g.dp, "ulysses": g.ulysses, "ring": g.ring}
+        for s, g in report.best.candidate.placement().items()
+    }
+
+
+def apply_parallel(placement: dict[str, DeviceGroup], parallel: dict[str, StageParallelConfig]) -> dict[str, DeviceGroup]:
+    """``placement`` with each stage's ``parallel.<stage>`` sequence parallelism (dp = ranks / sp)."""
+    out = dict(placement)
+    for stage, p in parallel.items():
+        if (p.ulysses, p.ring) == (1, 1):
+            continue
+        if stage not in placement:
+            raise PlanError(f"parallel.{stage}: no stage {stage!r} in this graph; stages: {sorted(placement)}")
+        group = placement[stage]
+        if group.sp > 1 and (group.ulysses, group.ring) != (p.ulysses, p.ring):
+            raise PlanError(
+                f"parallel.{stage}: ulysses={p.ulysses} ring={p.ring} contradicts placement.{stage} "
+                f"(ulysses={group.ulysses} ring={group.ring})"
+            )
+        sp = p.ulysses * p.ring
+        if len(group.ranks) % sp:
+            raise PlanError(
+                f"parallel.{stage}: ulysses={p.ulysses} x ring={p.ring} = {sp} does not divide the "
+                f"{len(group.ranks)} ranks placed for {stage!r} ({list(group.ranks)})"
+            )
+        out[stage] = dataclasses.replace(group, dp=len(group.ranks) // sp, ulysses=p.ulysses, ring=p.ring)
+    return out
+
+
+def check_sequence_parallel(graph: Graph, placement: dict[str, DeviceGroup], cfg: RunConfig) -> None:
+    """Each split stage can take its degrees (capabilities, head counts) and has a token share on every rank."""
+    latent_frames = (cfg.data.frames - 1) // 4 + 1  # the Wan VAE's causal 4x temporal compression
+    for stage, group in placement.items():
+        if group.sp == 1:
+            continue
+        graph.stages[stage].check_sequence_parallel(group.ulysses, group.ring)
+        if "latents" in graph.stages[stage].sequence_inputs and latent_frames < group.sp:
+            raise PlanError(
+                f"parallel.{stage}: data.frames={cfg.data.frames} gives {latent_frames} latent frames, fewer than "
+                f"its {group.sp} sequence-parallel ranks (ulysses={group.ulysses} x ring={group.ring}); "
+                "every rank needs at least one frame"
+            )
 
 
 def make_plans(graph: Graph, cfg: RunConfig) -> tuple[Plan, Plan]:
@@ -227,6 +263,8 @@ def make_plans(graph: Graph, cfg: RunConfig) -> tuple[Plan, Plan]:
     if cfg.placement == "auto":
         raise PlanError("placement=auto must be resolved (mmpipe.train.auto_placement) before plans are made")
     placement = parse_placement(cfg.placement) if cfg.placement else default_placement(graph, world)
+    placement = apply_parallel(placement, cfg.parallel)
+    check_sequence_parallel(graph, placement, cfg)
     kind = ScheduleKind(cfg.train.schedule)
     n_micro = cfg.train.micro_batches
     size = cfg.train.batch_size // n_micro

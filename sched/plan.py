@@ -139,6 +139,10 @@ class DeviceGroup:
         """The data-parallel replica ``rank`` belongs to (replicas are ``sp`` consecutive ranks)."""
         return self._index[rank] // self.sp
 
+    def sp_index(self, rank: int) -> int:
+        """``rank``'s position inside its replica (the sequence-parallel index)."""
+        return self._index[rank] % self.sp
+
     def rows(self, rank: int, batch: int) -> tuple[int, int]:
         """The rows ``[start, stop)`` of a micro-batch of ``batch`` samples that ``rank`` holds:
         equal shares, or when ``dp`` does not divide ``batch``, shares differing by one row."""

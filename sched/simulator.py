@@ -107,6 +107,7 @@ def _event(rank: int, step: int, a: Action, start: float, end: float) -> dict[st
         "phase": "train",
         "stage": a.stage,
         "dst": a.dst,
+        "peer": a.peer,
         "mb": a.mb,
         "kind": a.kind.value,
         "start": start,

@@ -1,6 +1,7 @@
 """Per-rank records of every executed action, as JSON lines in ``RUN_DIR/events/rank<R>.jsonl``.
 
-One record: ``{"rank", "step", "phase", "stage", "dst", "mb", "kind", "start", "end", "bytes"}``;
+One record: ``{"rank", "step", "phase", "stage", "dst", "peer", "mb", "kind", "start", "end", "bytes"}``
+(``dst`` / ``peer``: the consumer stage and the other rank of a transfer, else null);
 times are ``time.perf_counter()`` seconds offset to the Unix epoch at recorder creation, so ranks
 on one machine share a clock. The dashboard and the simulator read the same format.
 """
@@ -35,6 +36,7 @@ class EventRecorder:
             "phase": self.phase,
             "stage": action.stage,
             "dst": action.dst,
+            "peer": action.peer,
             "mb": action.mb,
             "kind": action.kind.value,
             "start": start + self._offset,

@@ -25,9 +25,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-from mmpipe.graph import INPUT, Graph
+from mmpipe.graph import INPUT, Edge, Graph
+from mmpipe.parallel.sequence import SequenceLayout
 from mmpipe.runtime.events import EventRecorder
 from mmpipe.runtime.mesh import MeshOwner
+from mmpipe.runtime.reshard import Region
 from mmpipe.runtime.transport import isend_tensors, nbytes, recv_tensors
 from mmpipe.sched.plan import Action, ActionKind, Plan, PlanError, check_split, overlapping_ranks, send_window
 
@@ -86,13 +88,61 @@ class Executor:
 
     def _build(self, stage: str) -> nn.Module:
         # Order of parallelisms (DESIGN.md): sequence parallel -> activation policy -> compile -> FSDP2.
-        module = self.graph.stages[stage].module
-        mesh = self.mesh.dp_mesh(stage)
-        if mesh is not None and not self.graph.stages[stage].frozen:
+        st = self.graph.stages[stage]
+        module = st.module
+        group = self.groups[stage]
+        if group.sp > 1:
+            st.check_sequence_parallel(group.ulysses, group.ring)
+            st.parallelize_sequence(module, self.mesh.sequence_mesh(stage, zigzag=st.sequence_causal))
+        mesh = self.mesh.fsdp_mesh(stage)
+        if mesh is not None and not st.frozen:
             # FSDP2 averages gradients over the group (gloo has no pre-scaled sum); _backward
-            # seeds each rank's backward dp times its share so that the average is the sum.
+            # seeds each rank's backward (group size) times its share so that the average is the sum.
             fully_shard(module, mesh=mesh)
         return module
+
+    # ---- who holds and who needs which part of an edge tensor ------------------------------------
+    def _layout(self, stage: str) -> SequenceLayout:
+        g = self.groups[stage]
+        return SequenceLayout(g.ulysses, g.ring, zigzag=self.graph.stages[stage].sequence_causal)
+
+    def _dims(self, e: Edge) -> tuple[int | None, int | None]:
+        """The sequence dims along which the producer and the consumer split the edge's tensor."""
+        src, dst = self.graph.stages[e.src], self.graph.stages[e.dst]
+        pdim = src.sequence_outputs.get(e.src_port) if self.groups[e.src].sp > 1 else None
+        cdim = dst.sequence_inputs.get(e.dst_port) if self.groups[e.dst].sp > 1 else None
+        if pdim is not None and cdim is not None and pdim != cdim:
+            raise PlanError(f"edge {e}: the producer splits dim {pdim}, the consumer dim {cdim}")
+        return pdim, cdim
+
+    def _held(self, e: Edge, rank: int, length: int) -> Region:
+        """What ``rank`` of the producer holds and sends of the edge's tensor."""
+        g = self.groups[e.src]
+        rows = g.rows(rank, self.batch_size)
+        pdim, cdim = self._dims(e)
+        if pdim is not None:
+            return Region(rows, pdim, tuple(self._layout(e.src).ranges(length, g.sp_index(rank))), length)
+        if g.sp_index(rank) != 0:  # a replicated output is sent by its replica's first rank only
+            return Region((rows[0], rows[0]))
+        return Region.whole(rows, cdim, length)
+
+    def _needed(self, e: Edge, rank: int, length: int) -> Region:
+        """What ``rank`` of the consumer needs of the edge's tensor."""
+        g = self.groups[e.dst]
+        rows = g.rows(rank, self.batch_size)
+        pdim, cdim = self._dims(e)
+        if cdim is not None:
+            return Region(rows, cdim, tuple(self._layout(e.dst).ranges(length, g.sp_index(rank))), length)
+        return Region.whole(rows, pdim, length)
+
+    def _length(self, e: Edge, mb: int, st: _StepState) -> int:
+        """The whole length of the edge tensor along its split dim (0 when nobody splits it)."""
+        key = (e.src, e.src_port, mb)
+        if key not in st.lengths:  # a whole tensor this rank produced
+            pdim, cdim = self._dims(e)
+            dim = cdim if cdim is not None else pdim
+            st.lengths[key] = 0 if dim is None else st.outputs[(e.src, mb)][e.src_port].shape[dim]
+        return st.lengths[key]
 
     def rows(self, stage: str, rank: int | None = None) -> tuple[int, int]:
         """The rows of each micro-batch that ``rank`` (default: this rank) holds of ``stage``."""
@@ -147,53 +197,79 @@ class Executor:
         lo, hi = self.rows(stage)
         wants_grad = stage in self.plan.backward
         inputs: dict[str, torch.Tensor] = {}
+        options = options_fn(stage, mb, (lo, hi, self.batch_size))
+        shards: dict[str, Region] = {}
         for e in self.graph.producers(stage):
             if e.src == INPUT:
                 inputs[e.dst_port] = st.batch(mb, batch_fn)[e.src_port][lo:hi]
                 continue
-            x = self._edge_value(e.src, stage, e.src_port, mb, st)
+            x, need = self._edge_value(e, mb, st)
+            if need.dim is not None and self._dims(e)[1] is not None:
+                shards[e.dst_port] = need
             if wants_grad and e.src in self.plan.backward and x.is_floating_point():
                 x = x.detach().requires_grad_(True)
             inputs[e.dst_port] = x
+        spec = self.graph.stages[stage]
+        if self.groups[stage].sp > 1:
+            options["shards"] = shards
         with torch.set_grad_enabled(wants_grad):
-            out = self.graph.stages[stage].forward(
-                self.modules[stage], inputs, **options_fn(stage, mb, (lo, hi, self.batch_size))
-            )
+            out = spec.forward(self.modules[stage], inputs, **options)
+        if self.groups[stage].sp > 1 and spec.sequence_outputs:
+            length = spec.sequence_length(inputs)
+            for port in spec.sequence_outputs:
+                st.lengths[(stage, port, mb)] = length
         st.inputs[(stage, mb)] = inputs
         st.outputs[(stage, mb)] = out
         if "loss" in out and not self.graph.consumers(stage):
+            # dp replicas weigh their rows; the sp ranks of a replica return shares that sum to its loss
             weight = (hi - lo) / self.batch_size
             st.loss += out["loss"].detach().float() * weight / self.plan.micro_batches
 
-    def _edge_value(self, src: str, dst: str, port: str, mb: int, st: _StepState) -> torch.Tensor:
-        """The rows of ``src.port`` this rank's ``dst`` needs: local slices and received pieces, in row order."""
-        lo, hi = self.rows(dst)
+    def _edge_value(self, e: Edge, mb: int, st: _StepState) -> tuple[torch.Tensor, Region]:
+        """What this rank's ``e.dst`` needs of ``e``'s tensor, from local slices and received pieces."""
+        length = self._length(e, mb, st)
+        need = self._needed(e, self.rank, length)
         pieces = []
-        for q in overlapping_ranks(self.groups[dst], self.rank, self.groups[src], self.batch_size):
+        for q in overlapping_ranks(self.groups[e.dst], self.rank, self.groups[e.src], self.batch_size):
+            held = self._held(e, q, length)
+            piece = held.intersect(need)
+            if piece.empty:
+                continue
             if q == self.rank:
-                plo, _ = self.rows(src)
-                a, b = max(lo, plo), min(hi, self.rows(src)[1])
-                pieces.append(st.outputs[(src, mb)][port][a - plo : b - plo])
+                value = held.extract(st.outputs[(e.src, mb)][e.src_port], piece)
             else:
-                pieces.append(st.received[(src, dst, mb, q)][port])
-        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+                value = st.received[(e.src, e.dst, mb, q)][(e.src_port, e.dst_port)]
+            pieces.append((piece, value))
+        if not pieces:
+            raise ValueError(
+                f"{e}: rank {self.rank} of {e.dst} would hold no part of it ({need}); the sequence is "
+                f"shorter than {e.dst}'s sequence-parallel degree {self.groups[e.dst].sp}"
+            )
+        if len(pieces) == 1 and pieces[0][0] == need:
+            return pieces[0][1], need
+        buf = torch.empty(need.shape(pieces[0][1]), dtype=pieces[0][1].dtype, device=pieces[0][1].device)
+        for piece, value in pieces:
+            need.add_into(buf, piece, value, accumulate=False)
+        return buf, need
 
     def _backward(self, stage: str, mb: int, st: _StepState) -> None:
         out = st.outputs[(stage, mb)]
-        dp = self.groups[stage].dp
+        group = self.groups[stage]
+        n = len(group.ranks)
         module = self.modules[stage]
         if isinstance(module, FSDPModule):
             # Accumulate unreduced gradients and reduce-scatter once, in the last micro-batch's backward.
             module.set_requires_gradient_sync(mb == st.last_backward[stage])
-        # Seed the backward with dp x this rank's share of d(loss): FSDP2's average over the group
-        # then yields the sum of the shares; the input gradients are scaled back by 1/dp below.
+        # Seed the backward with n (the group's size) x this rank's share of d(loss): FSDP2's average
+        # over the group then yields the sum of the shares; input gradients are scaled back by 1/n below.
         if not any(c in self.plan.backward for c in self.plan.consumers(stage)):
-            # a loss stage: its slice's mean loss is dp x (rows / batch) = 1 times its share
-            (out["loss"] / self.plan.micro_batches).backward()
+            # a loss stage: its replica's slice loss is dp x (rows / batch) = 1 times the slice's share
+            # of the micro-batch loss, and each of the replica's sp ranks returns a share of that
+            (out["loss"] * group.sp / self.plan.micro_batches).backward()
         else:
             grads = st.grads.pop((stage, mb), {})
             ports = [p for p in grads if out[p].requires_grad]
-            seeds = [grads[p] * dp if dp > 1 else grads[p] for p in ports]
+            seeds = [grads[p] * n if n > 1 else grads[p] for p in ports]
             torch.autograd.backward([out[p] for p in ports], seeds)
         inputs = st.inputs.pop((stage, mb))
         for e in self.graph.producers(stage):
@@ -201,25 +277,26 @@ class Executor:
             if e.src == INPUT or e.src not in self.plan.backward or not x.is_floating_point():
                 continue
             grad = x.grad if x.grad is not None else torch.zeros_like(x)  # an input the stage did not use
-            if dp > 1:
-                grad = grad / dp
-            if self.rank in self.groups[e.src].ranks:
-                self._accumulate(e.src, e.src_port, stage, mb, self.rank, grad, st)
-            st.pending_grads[(e.src, stage, mb)][e.src_port] = grad
+            if n > 1:
+                grad = grad / n
+            if self.rank in self.groups[e.src]:
+                self._accumulate(e, mb, self.rank, grad, st)
+            st.pending_grads[(e.src, stage, mb)][(e.src_port, e.dst_port)] = grad
         del st.outputs[(stage, mb)]
 
-    def _accumulate(
-        self, src: str, port: str, consumer: str, mb: int, peer: int, grad: torch.Tensor, st: _StepState
-    ) -> None:
-        """Add the gradient rows ``peer`` computed for ``consumer`` into ``src``'s output gradient."""
-        slo, shi = self.rows(src)
-        clo, chi = self.rows(consumer, peer)
-        a, b = max(slo, clo), min(shi, chi)
-        piece = grad if peer != self.rank else grad[a - clo : b - clo]
-        buf = st.grads[(src, mb)]
-        if port not in buf:
-            buf[port] = torch.zeros_like(st.outputs[(src, mb)][port])
-        buf[port][a - slo : b - slo] += piece
+    def _accumulate(self, e: Edge, mb: int, peer: int, grad: torch.Tensor, st: _StepState) -> None:
+        """Add the gradient ``peer`` computed for its part of ``e``'s tensor into this rank's output gradient
+        (``grad``: the piece both hold when ``peer`` is remote, ``peer``'s whole input gradient when local)."""
+        length = self._length(e, mb, st)
+        held, need = self._held(e, self.rank, length), self._needed(e, peer, length)
+        piece = held.intersect(need)
+        if piece.empty:
+            return
+        buf = st.grads[(e.src, mb)]
+        if e.src_port not in buf:
+            buf[e.src_port] = torch.zeros_like(st.outputs[(e.src, mb)][e.src_port])
+        value = grad if peer != self.rank else need.extract(grad, piece)
+        held.add_into(buf[e.src_port], piece, value, accumulate=True)
 
     def _step(self, stage: str) -> float:
         opt = self.optimizers[stage]
@@ -233,28 +310,33 @@ class Executor:
         return float(norm)
 
     # ---- transfers ------------------------------------------------------------------------------
-    def _edge_ports(self, src: str, dst: str, *, grad: bool = False) -> list[tuple[str, str]]:
-        """The ports of the ``src -> dst`` bundle; gradients travel only for floating-point ports."""
-        ports = sorted((e.src_port, e.dst_port) for e in self._port_edges if (e.src, e.dst) == (src, dst))
+    def _edge_ports(self, src: str, dst: str, *, grad: bool = False) -> list[Edge]:
+        """The port edges of the ``src -> dst`` bundle; gradients travel only for floating-point ports."""
+        edges = sorted((e for e in self._port_edges if (e.src, e.dst) == (src, dst)), key=lambda e: (e.src_port, e.dst_port))
         if grad:
-            float_ports = self._float_ports[src]
-            ports = [(sp, dp) for sp, dp in ports if sp in float_ports]
-        return ports
+            edges = [e for e in edges if e.src_port in self._float_ports[src]]
+        return edges
 
     def _send(self, a: Action, st: _StepState, *, grad: bool) -> int:
+        """Send the peer exactly the part of each port's tensor it needs (or, for gradients, holds)."""
         assert a.dst is not None and a.peer is not None and a.mb is not None
-        ports = self._edge_ports(a.stage, a.dst, grad=grad)
-        if grad:  # this rank holds a.dst; the peer holds a.stage
-            lo, hi = self.rows(a.dst)
-            plo, phi = self.rows(a.stage, a.peer)
-            sent = st.pending_grads[(a.stage, a.dst, a.mb)]
-            tensors = [sent[sp][max(lo, plo) - lo : min(hi, phi) - lo] for sp, _ in ports]
-        else:
-            lo, hi = self.rows(a.stage)
-            clo, chi = self.rows(a.dst, a.peer)
-            out = st.outputs[(a.stage, a.mb)]
-            tensors = [out[sp][max(lo, clo) - lo : min(hi, chi) - lo] for sp, _ in ports]
-        self._inflight.append((isend_tensors(tensors, a.peer, self._tag(a.stage, a.dst, grad)), tensors))
+        edges = self._edge_ports(a.stage, a.dst, grad=grad)
+        tensors, lengths = [], []
+        for e in edges:
+            length = self._length(e, a.mb, st)
+            if grad:  # this rank holds a.dst; the peer holds a.stage
+                need = self._needed(e, self.rank, length)
+                piece = self._held(e, a.peer, length).intersect(need)
+                tensors.append(need.extract(st.pending_grads[(a.stage, a.dst, a.mb)][(e.src_port, e.dst_port)], piece))
+            else:
+                held = self._held(e, self.rank, length)
+                piece = held.intersect(self._needed(e, a.peer, length))
+                tensors.append(held.extract(st.outputs[(a.stage, a.mb)][e.src_port], piece))
+            lengths.append(length)
+        # A forward message ends with the whole lengths along the split dims, which the receiver
+        # needs to know its own part; the events count only the payload.
+        message = tensors if grad else [*tensors, torch.tensor(lengths, dtype=torch.int64)]
+        self._inflight.append((isend_tensors(message, a.peer, self._tag(a.stage, a.dst, grad)), message))
         while len(self._inflight) > self.max_inflight:  # bound how far a producer runs ahead
             self._wait_oldest()
         return nbytes(tensors)
@@ -271,13 +353,18 @@ class Executor:
 
     def _recv(self, a: Action, st: _StepState, *, grad: bool) -> int:
         assert a.dst is not None and a.peer is not None and a.mb is not None
-        ports = self._edge_ports(a.stage, a.dst, grad=grad)
-        tensors = recv_tensors(a.peer, self._tag(a.stage, a.dst, grad), len(ports))
+        edges = self._edge_ports(a.stage, a.dst, grad=grad)
+        tensors = recv_tensors(a.peer, self._tag(a.stage, a.dst, grad), len(edges) + (not grad))
         if grad:
-            for (sp, _), g in zip(ports, tensors, strict=True):
-                self._accumulate(a.stage, sp, a.dst, a.mb, a.peer, g, st)
-        else:
-            st.received[(a.stage, a.dst, a.mb, a.peer)] = {sp: t for (sp, _), t in zip(ports, tensors, strict=True)}
+            for e, g in zip(edges, tensors, strict=True):
+                self._accumulate(e, a.mb, a.peer, g, st)
+            return nbytes(tensors)
+        *tensors, lengths = tensors
+        for e, length in zip(edges, lengths.tolist(), strict=True):
+            st.lengths[(e.src, e.src_port, a.mb)] = length
+        st.received[(a.stage, a.dst, a.mb, a.peer)] = {
+            (e.src_port, e.dst_port): t for e, t in zip(edges, tensors, strict=True)
+        }
         return nbytes(tensors)
 
     def _tag(self, src: str, dst: str, grad: bool) -> int:
@@ -296,11 +383,14 @@ class _StepState:
     batches: dict[int, dict[str, torch.Tensor]] = dataclasses.field(default_factory=dict)
     inputs: dict[tuple[str, int], dict[str, torch.Tensor]] = dataclasses.field(default_factory=dict)
     outputs: dict[tuple[str, int], Mapping[str, Any]] = dataclasses.field(default_factory=dict)
-    received: dict[tuple[str, str, int, int], dict[str, torch.Tensor]] = dataclasses.field(default_factory=dict)
+    received: dict[tuple[str, str, int, int], dict[tuple[str, str], torch.Tensor]] = dataclasses.field(
+        default_factory=dict
+    )
+    lengths: dict[tuple[str, str, int], int] = dataclasses.field(default_factory=dict)  # (src, port, mb)
     grads: defaultdict[tuple[str, int], dict[str, torch.Tensor]] = dataclasses.field(
         default_factory=lambda: defaultdict(dict)
     )
-    pending_grads: defaultdict[tuple[str, str, int], dict[str, torch.Tensor]] = dataclasses.field(
+    pending_grads: defaultdict[tuple[str, str, int], dict[tuple[str, str], torch.Tensor]] = dataclasses.field(
         default_factory=lambda: defaultdict(dict)
     )
     loss: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros(()))

@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import datetime
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from mmpipe.parallel.sequence import SequenceMesh
 from mmpipe.sched.plan import Plan
 
 
 class MeshOwner:
-    """World membership of this rank and a data-parallel ``DeviceMesh`` per stage with dp > 1.
+    """World membership of this rank and, per stage of more than one rank, the meshes it runs on:
+    an FSDP mesh over all of the stage's ranks (data- and sequence-parallel ranks alike: both hold
+    partial gradients that sum), and for ``ulysses x ring > 1`` a ``(dp, ring, ulysses)`` mesh whose
+    sub-meshes are this rank's ring and Ulysses groups.
 
     ``new_group`` is collective over the world, so every rank creates every mesh, in placement
     order, and keeps the ones it belongs to.
@@ -20,25 +25,35 @@ class MeshOwner:
     def __init__(self, plan: Plan, rank: int, world_size: int, *, device_type: str = "cpu") -> None:
         self.rank, self.world_size = rank, world_size
         self._dp: dict[str, DeviceMesh] = {}
+        self._sequence: dict[str, DeviceMesh] = {}
         # Ranks that hold trainable stages report per-step metrics among themselves; ranks that
         # only run frozen producers never join a per-step collective, so they can run ahead.
         trainable = sorted({r for s, g in plan.placement if s in plan.trainable for r in g.ranks})
         self.metrics_ranks: list[int] = trainable or list(range(world_size))
         self.metrics_group = dist.new_group(self.metrics_ranks) if self.distributed else None
         for stage, group in plan.placement:
-            if group.dp > 1:
+            if len(group.ranks) > 1:
                 mesh = DeviceMesh(device_type, list(group.ranks))
-                if rank in group.ranks:
+                if rank in group:
                     self._dp[stage] = mesh
+            if group.sp > 1:
+                grid = torch.tensor(group.ranks).view(group.dp, group.ring, group.ulysses)
+                mesh = DeviceMesh(device_type, grid, mesh_dim_names=("dp", "ring", "ulysses"))
+                if rank in group:
+                    self._sequence[stage] = mesh
 
     @property
     def distributed(self) -> bool:
         """Whether a process group is initialised (``False`` for single-process runs)."""
         return self.world_size > 1
 
-    def dp_mesh(self, stage: str) -> DeviceMesh | None:
-        """The data-parallel mesh of ``stage`` on this rank, or ``None`` for dp = 1."""
+    def fsdp_mesh(self, stage: str) -> DeviceMesh | None:
+        """The mesh of all of ``stage``'s ranks, or ``None`` for a single-rank stage."""
         return self._dp.get(stage)
+
+    def sequence_mesh(self, stage: str, *, zigzag: bool) -> SequenceMesh:
+        """This rank's sequence-parallel groups of ``stage`` (``zigzag`` for causal attention)."""
+        return SequenceMesh.from_device_mesh(self._sequence[stage], zigzag=zigzag)
 
 
 def init_distributed(timeout_s: float) -> tuple[int, int]:

@@ -58,9 +58,10 @@ class Region:
     def _offsets(self, piece: Region) -> list[tuple[int, int]]:
         """``(offset in this region's concatenation, count)`` of each range of ``piece``."""
         out = []
+        mine = self.ranges if self.dim is not None else ((0, piece.length),)
         for a, b in piece.ranges:
             offset = 0
-            for x0, x1 in self.ranges:
+            for x0, x1 in mine:
                 if x0 <= a and b <= x1:
                     out.append((offset + a - x0, b - a))
                     break
@@ -72,7 +73,7 @@ class Region:
     def extract(self, x: torch.Tensor, piece: Region) -> torch.Tensor:
         """The elements of ``piece`` (inside this region) from ``x``, a tensor holding this region."""
         x = x[piece.rows[0] - self.rows[0] : piece.rows[1] - self.rows[0]]
-        if piece.dim is None or self.dim is None:
+        if piece.dim is None:
             return x
         parts = [x.narrow(piece.dim, o, n) for o, n in self._offsets(piece)]
         if not parts:
@@ -82,7 +83,7 @@ class Region:
     def add_into(self, buf: torch.Tensor, piece: Region, value: torch.Tensor, *, accumulate: bool) -> None:
         """Write (or add) ``value``, the elements of ``piece``, into ``buf``, a tensor holding this region."""
         rows = buf[piece.rows[0] - self.rows[0] : piece.rows[1] - self.rows[0]]
-        if piece.dim is None or self.dim is None:
+        if piece.dim is None:
             spans = [(rows, value)]
         else:
             spans, at = [], 0

@@ -14,7 +14,7 @@ import torch
 from diffusers import WanTransformer3DModel
 
 from mmpipe.checkpoint import latest_checkpoint, load_latest_weights
-from mmpipe.config import DataConfig, LaunchConfig, ModelConfig, RunConfig, TrainConfig
+from mmpipe.config import DataConfig, LaunchConfig, ModelConfig, RunConfig, StageParallelConfig, TrainConfig
 from mmpipe.runtime.events import read_events
 from mmpipe.train import read_metrics, train
 
@@ -22,7 +22,12 @@ STEPS = 3
 
 
 def run(
-    run_dir: Path, nproc: int, placement: dict | None, model: ModelConfig | None = None, batch_size: int = 4
+    run_dir: Path,
+    nproc: int,
+    placement: dict | None,
+    model: ModelConfig | None = None,
+    batch_size: int = 4,
+    parallel: dict[str, StageParallelConfig] | None = None,
 ) -> RunConfig:
     cfg = RunConfig(
         run_dir=str(run_dir),
@@ -34,6 +39,7 @@ def run(
         ),
         launch=LaunchConfig(nproc=nproc, timeout_s=120),
         placement=placement,
+        parallel=parallel or {},
     )
     train(cfg)
     return cfg
