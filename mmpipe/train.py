@@ -218,7 +218,9 @@ def auto_placement(graph: Graph, cfg: RunConfig) -> dict[str, Any]:
     }
 
 
-def apply_parallel(placement: dict[str, DeviceGroup], parallel: dict[str, StageParallelConfig]) -> dict[str, DeviceGroup]:
+def apply_parallel(
+    placement: dict[str, DeviceGroup], parallel: dict[str, StageParallelConfig]
+) -> dict[str, DeviceGroup]:
     """``placement`` with each stage's ``parallel.<stage>`` sequence parallelism (dp = ranks / sp)."""
     out = dict(placement)
     for stage, p in parallel.items():

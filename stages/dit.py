@@ -78,6 +78,7 @@ class FlowMatchingDiTStage(SourcedStage):
             raise ValueError(f"stage {name!r}: flow shift must be positive, got {shift}")
         self.shift = shift
         self.num_train_timesteps = num_train_timesteps
+        self._sequence: SequenceState | None = None
 
     @property
     def inputs(self) -> Mapping[str, TensorSpec]:
@@ -103,7 +104,9 @@ class FlowMatchingDiTStage(SourcedStage):
         check_heads(cfg.num_attention_heads, ulysses, what=f"stage {self.name!r}")
         patch_t = cfg.patch_size[0] if isinstance(cfg.patch_size, list | tuple) else getattr(cfg, "patch_size_t", 1)
         if ulysses * ring > 1 and patch_t != 1:
-            raise ValueError(f"stage {self.name!r}: sequence parallelism splits whole frames, but patch_size_t={patch_t}")
+            raise ValueError(
+                f"stage {self.name!r}: sequence parallelism splits whole frames, but patch_size_t={patch_t}"
+            )
 
     def parallelize_sequence(self, module: nn.Module, mesh: SequenceMesh) -> None:
         self._sequence = SequenceState(mesh)
@@ -130,7 +133,7 @@ class FlowMatchingDiTStage(SourcedStage):
             if len(region.ranges) != 1:
                 raise ValueError(
                     f"stage {self.name!r}: {region.length} latent frames cannot be split over "
-                    f"{self._sequence.mesh.layout.sp} sequence-parallel ranks (every rank needs at least one frame)"
+                    "its sequence-parallel ranks (every rank needs at least one frame)"
                 )
             frames = (*region.ranges[0], region.length)
         noise_BZthw, sigma_B = sample_flow_matching(x0_BZthw, seed=seed, shift=self.shift, rows=rows, frames=frames)
@@ -141,8 +144,9 @@ class FlowMatchingDiTStage(SourcedStage):
             pred_BZthw = self.predict(module, xs_BZthw, timestep_B, context_BLD)
             return {"loss": F.mse_loss(pred_BZthw.float(), (noise_BZthw - x0_BZthw).float())}
         cfg = self.source.config
-        p_h, p_w = (cfg.patch_size[1:] if isinstance(cfg.patch_size, list | tuple) else (cfg.patch_size,) * 2)
+        p_h, p_w = cfg.patch_size[1:] if isinstance(cfg.patch_size, list | tuple) else (cfg.patch_size,) * 2
         per_frame = (x0_BZthw.shape[3] // p_h) * (x0_BZthw.shape[4] // p_w)
+        assert self._sequence is not None, "shards are only passed to a stage made sequence parallel"
         with self._sequence.tokens(frames[2] * per_frame, unit=per_frame):
             pred_BZthw = self.predict(module, xs_BZthw, timestep_B, context_BLD)
         # This rank's share of the mean over all frames: the shares of a replica sum to its loss.

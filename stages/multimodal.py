@@ -23,6 +23,8 @@ from torch import nn
 from transformers import AutoConfig, AutoModel, SiglipVisionModel
 
 from mmpipe.graph import Capabilities, TensorSpec
+from mmpipe.parallel.modules import SequenceState, use_sequence_parallel_attention
+from mmpipe.parallel.sequence import SequenceMesh, check_heads
 from mmpipe.stages._source import ModuleSource, SourcedStage
 
 
@@ -75,16 +77,42 @@ class ImageTextLM(nn.Module):
 
 
 class MultimodalLLMStage(SourcedStage):
-    """``image_tokens, input_ids, attention_mask -> hidden (B, N + L, H)``, trainable."""
+    """``image_tokens, input_ids, attention_mask -> hidden (B, N + L, H), mask``, trainable; hidden
+    states at padded positions are zero.
+
+    Sequence parallel (causal: a zig-zag split of the image + text sequence), every rank embeds the
+    whole (short) input, keeps its tokens with their true positions, runs the LM on them with
+    ring / Ulysses attention and outputs its tokens' hidden states: the ``hidden`` port is split,
+    so consumers receive each rank's part directly. Padding must be at the end (right padding), where
+    causal attention never lets a real token see it; the padding mask is then not needed.
+    """
 
     kind = "llm"
     capabilities = Capabilities(sequence_parallel=True, fsdp=True, offload=True)
+    sequence_outputs = {"hidden": 1}
+    sequence_causal = True
 
     def __init__(
         self, name: str, source: ModuleSource, *, num_image_tokens: int, text_len: int, vision_width: int
     ) -> None:
         super().__init__(name, source, frozen=False)
         self.num_image_tokens, self.text_len, self.vision_width = num_image_tokens, text_len, vision_width
+        self._sequence: SequenceState | None = None
+
+    def check_sequence_parallel(self, ulysses: int, ring: int) -> None:
+        super().check_sequence_parallel(ulysses, ring)
+        cfg = self.source.config
+        check_heads(cfg.num_attention_heads, ulysses, what=f"stage {self.name!r}")
+        if getattr(cfg, "use_sliding_window", False) and ulysses * ring > 1:
+            raise ValueError(f"stage {self.name!r}: sliding-window attention cannot run sequence parallel")
+
+    def parallelize_sequence(self, module: nn.Module, mesh: SequenceMesh) -> None:
+        assert isinstance(module, ImageTextLM)
+        use_sequence_parallel_attention(module.lm)
+        self._sequence = SequenceState(mesh)
+
+    def sequence_length(self, inputs: Mapping[str, Any]) -> int:
+        return inputs["image_tokens"].shape[1] + inputs["input_ids"].shape[1]
 
     def build_from_config(self) -> ImageTextLM:
         """A randomly initialised module of this stage's architecture (the cost model builds it on meta)."""
@@ -120,8 +148,21 @@ class MultimodalLLMStage(SourcedStage):
             [torch.ones(image_BNH.shape[:2], dtype=torch.int64, device=image_BNH.device), inputs["attention_mask"]],
             dim=1,
         )
-        hidden_BSH = lm(inputs_embeds=torch.cat([image_BNH, text_BLH], dim=1), attention_mask=mask_BS).last_hidden_state
-        return {"hidden": hidden_BSH, "mask": mask_BS}
+        embeds_BSH = torch.cat([image_BNH, text_BLH], dim=1)
+        if self._sequence is None:
+            hidden_BSH = lm(inputs_embeds=embeds_BSH, attention_mask=mask_BS).last_hidden_state
+            return {"hidden": hidden_BSH.masked_fill(~mask_BS.bool().unsqueeze(-1), 0), "mask": mask_BS}
+        if bool((mask_BS[:, 1:] > mask_BS[:, :-1]).any()):
+            raise ValueError(f"stage {self.name!r}: sequence parallelism needs right-padded text (padding last)")
+        state, length = self._sequence, embeds_BSH.shape[1]
+        pos_S = state.mesh.layout.positions(length, state.mesh.index, device=embeds_BSH.device)
+        with state.tokens(length):
+            hidden_BsH = lm(
+                inputs_embeds=embeds_BSH[:, pos_S],
+                position_ids=pos_S.unsqueeze(0).expand(embeds_BSH.shape[0], -1),
+                mmpipe_sequence=state,
+            ).last_hidden_state
+        return {"hidden": hidden_BsH.masked_fill(~mask_BS[:, pos_S].bool().unsqueeze(-1), 0), "mask": mask_BS}
 
 
 class Connector(nn.Module):

@@ -61,7 +61,9 @@ def _torch_forward(
     if q_BHSD.is_cuda:
         out = torch.ops.aten._scaled_dot_product_flash_attention(q_BHSD, k_BHTD, v_BHTD, 0.0, causal, scale=scale)
         return out[0], out[1]
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q_BHSD, k_BHTD, v_BHTD, 0.0, causal, scale=scale)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q_BHSD, k_BHTD, v_BHTD, 0.0, causal, scale=scale
+    )
     return out, lse
 
 
@@ -182,7 +184,9 @@ def attention_backward(
 
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: AttentionImpl, causal: bool, scale: float) -> torch.Tensor:  # type: ignore[override]
+    def forward(
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: AttentionImpl, causal: bool, scale: float
+    ) -> torch.Tensor:  # type: ignore[override]
         out, lse = attention_with_lse(impl, q, k, v, causal=causal, scale=scale)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.impl, ctx.causal, ctx.scale = impl, causal, scale
@@ -208,7 +212,9 @@ def local_attention(
     impl = impl or select_backend(device=q_BHSD.device)
     scale = 1.0 / math.sqrt(q_BHSD.shape[-1]) if scale is None else scale
     if q_BHSD.shape[2] == 0 or k_BHTD.shape[2] == 0:  # the fused CPU kernel crashes on empty sequences
-        return q_BHSD.new_zeros((*q_BHSD.shape[:3], v_BHTD.shape[-1])) + 0 * (q_BHSD.sum() + k_BHTD.sum() + v_BHTD.sum())
+        return q_BHSD.new_zeros((*q_BHSD.shape[:3], v_BHTD.shape[-1])) + 0 * (
+            q_BHSD.sum() + k_BHTD.sum() + v_BHTD.sum()
+        )
     if impl.forward is None:
         return F.scaled_dot_product_attention(q_BHSD, k_BHTD, v_BHTD, is_causal=causal, scale=scale)
     return _Attention.apply(q_BHSD, k_BHTD, v_BHTD, impl, causal, scale)

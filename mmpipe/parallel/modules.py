@@ -8,6 +8,13 @@ duration of the processor call), so projections, norms and rotary embeddings sta
 code. Cross-attention is left alone: its queries are this rank's tokens and its keys / values the
 whole (replicated) text context, which is already exact.
 
+transformers models reach it through their attention-function registry: :func:`use_sequence_parallel_attention`
+registers :func:`transformers_attention` under ``"mmpipe_sequence_parallel"`` and switches the model
+to it; the model's forward then passes the :class:`SequenceState` as the ``mmpipe_sequence`` keyword,
+which transformers hands through to every attention call. With that implementation transformers
+builds no mask: the callers feed causal sequences whose padding is all at the end, which no real
+token attends to.
+
 The sequence's global length changes per call (resolution, frames), so it lives in a
 :class:`SequenceState` that the stage sets around each forward (:meth:`SequenceState.tokens`).
 """
@@ -97,8 +104,44 @@ class SequenceParallelProcessor:
     def __getattr__(self, name: str) -> Any:  # diffusers reads backend attributes off processors
         return getattr(self.inner, name)
 
-    def __call__(self, attn: Any, hidden_states: torch.Tensor, encoder_hidden_states: Any = None, *args: Any, **kwargs: Any) -> Any:
+    def __call__(
+        self, attn: Any, hidden_states: torch.Tensor, encoder_hidden_states: Any = None, *args: Any, **kwargs: Any
+    ) -> Any:
         if encoder_hidden_states is not None:
             return self.inner(attn, hidden_states, encoder_hidden_states, *args, **kwargs)
         with RouteSDPA(self.state.attention):
             return self.inner(attn, hidden_states, None, *args, **kwargs)
+
+
+SEQUENCE_ATTENTION = "mmpipe_sequence_parallel"
+
+
+def transformers_attention(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    *,
+    mmpipe_sequence: SequenceState,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    **_: Any,
+) -> tuple[torch.Tensor, None]:
+    """A transformers attention function (``BHSD`` in, ``BSHD`` out) over the whole split sequence."""
+    if sliding_window is not None:
+        raise ValueError(f"sequence-parallel attention has no sliding window (got sliding_window={sliding_window})")
+    if query.shape[1] != key.shape[1]:  # grouped-query attention: the all-to-all needs whole query groups
+        key = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
+        value = value.repeat_interleave(query.shape[1] // value.shape[1], dim=1)
+    out = mmpipe_sequence.attention(query, key, value, dropout_p=dropout, is_causal=module.is_causal, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def use_sequence_parallel_attention(model: Any) -> None:
+    """Switch a transformers model's attention to :func:`transformers_attention` (registered once)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(SEQUENCE_ATTENTION, transformers_attention)
+    model.set_attn_implementation(SEQUENCE_ATTENTION)

@@ -95,7 +95,9 @@ class SequenceLayout:
 
     def ring_ranges(self, length: int, j: int) -> list[Range]:
         """The token ranges of ring block ``j`` (both zig-zag chunks, possibly empty ones)."""
-        return [(a * self.unit, b * self.unit) for a, b in ring_block(self._units(length), self.ring, j, zigzag=self.zigzag)]
+        return [
+            (a * self.unit, b * self.unit) for a, b in ring_block(self._units(length), self.ring, j, zigzag=self.zigzag)
+        ]
 
     def ranges(self, length: int, index: int) -> list[Range]:
         """The token ranges sp rank ``index`` holds (ascending positions, empty ranges dropped)."""
@@ -110,9 +112,10 @@ class SequenceLayout:
 
     def positions(self, length: int, index: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """The token positions of sp rank ``index``, as an int64 tensor."""
-        return torch.cat([torch.arange(a, b, device=device) for a, b in self.ranges(length, index)] or [
-            torch.zeros(0, dtype=torch.int64, device=device)
-        ])
+        return torch.cat(
+            [torch.arange(a, b, device=device) for a, b in self.ranges(length, index)]
+            or [torch.zeros(0, dtype=torch.int64, device=device)]
+        )
 
     def shard(self, x: torch.Tensor, dim: int, index: int) -> torch.Tensor:
         """Sp rank ``index``'s part of the whole ``x`` along ``dim``."""
@@ -196,7 +199,9 @@ def _seq_to_heads(x_BHSD: torch.Tensor, group: dist.ProcessGroup | None, sizes: 
     return torch.cat([p[:, :, :n] for p, n in zip(got, sizes, strict=True)], dim=2)
 
 
-def _heads_to_seq(x_BhND: torch.Tensor, group: dist.ProcessGroup | None, sizes: Sequence[int], mine: int) -> torch.Tensor:
+def _heads_to_seq(
+    x_BhND: torch.Tensor, group: dist.ProcessGroup | None, sizes: Sequence[int], mine: int
+) -> torch.Tensor:
     """The inverse of :func:`_seq_to_heads`: ``(B, H / U, sum(sizes), D) -> (B, H, sizes[mine], D)``."""
     longest = max(sizes)
     parts = [_pad_to(p, longest, 2) for p in x_BhND.split(list(sizes), dim=2)]
@@ -206,7 +211,9 @@ def _heads_to_seq(x_BhND: torch.Tensor, group: dist.ProcessGroup | None, sizes: 
 
 class _SeqToHeads(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup | None, sizes: tuple[int, ...], mine: int) -> torch.Tensor:  # type: ignore[override]
+    def forward(
+        ctx: Any, x: torch.Tensor, group: dist.ProcessGroup | None, sizes: tuple[int, ...], mine: int
+    ) -> torch.Tensor:  # type: ignore[override]
         ctx.group, ctx.sizes, ctx.mine = group, sizes, mine
         return _seq_to_heads(x, group, sizes)
 
@@ -217,7 +224,9 @@ class _SeqToHeads(torch.autograd.Function):
 
 class _HeadsToSeq(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup | None, sizes: tuple[int, ...], mine: int) -> torch.Tensor:  # type: ignore[override]
+    def forward(
+        ctx: Any, x: torch.Tensor, group: dist.ProcessGroup | None, sizes: tuple[int, ...], mine: int
+    ) -> torch.Tensor:  # type: ignore[override]
         ctx.group, ctx.sizes = group, sizes
         return _heads_to_seq(x, group, sizes, mine)
 
@@ -393,7 +402,9 @@ class _RingAttention(torch.autograd.Function):
             # Pass block src's accumulators on; after the last step they reach src itself, and this
             # rank receives its own block's complete gradient from the previous rank.
             prev_len = ring.sizes[(ring.j - step - 1) % ring.n]
-            dkv_works, dkv_in = _exchange(ring, [dk, dv], [_with_len(dk.shape, prev_len), _with_len(dv.shape, prev_len)])
+            dkv_works, dkv_in = _exchange(
+                ring, [dk, dv], [_with_len(dk.shape, prev_len), _with_len(dv.shape, prev_len)]
+            )
             _wait(kv_works)
             if step + 1 < ring.n:
                 kv = nxt
@@ -443,15 +454,15 @@ class _GatherSeq(torch.autograd.Function):
     follows the gather must be computed identically on every rank of the replica)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, mesh: SequenceMesh, length: int, dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:  # type: ignore[override]
+    def forward(
+        ctx: Any, x: torch.Tensor, mesh: SequenceMesh, length: int, dim: int, group: dist.ProcessGroup | None
+    ) -> torch.Tensor:  # type: ignore[override]
         lay = mesh.layout
         sizes = [lay.size(length, i) for i in range(lay.sp)]
         longest = max(sizes)
         parts = [torch.empty_like(_pad_to(x.movedim(dim, 2), longest, 2)) for _ in sizes]
         dist.all_gather(parts, _pad_to(x.movedim(dim, 2), longest, 2).contiguous(), group=group)
-        full = torch.empty(
-            (*parts[0].shape[:2], length, *parts[0].shape[3:]), dtype=x.dtype, device=x.device
-        )
+        full = torch.empty((*parts[0].shape[:2], length, *parts[0].shape[3:]), dtype=x.dtype, device=x.device)
         for i, p in enumerate(parts):
             offset = 0
             for a, b in lay.ranges(length, i):

@@ -312,7 +312,9 @@ class Executor:
     # ---- transfers ------------------------------------------------------------------------------
     def _edge_ports(self, src: str, dst: str, *, grad: bool = False) -> list[Edge]:
         """The port edges of the ``src -> dst`` bundle; gradients travel only for floating-point ports."""
-        edges = sorted((e for e in self._port_edges if (e.src, e.dst) == (src, dst)), key=lambda e: (e.src_port, e.dst_port))
+        edges = sorted(
+            (e for e in self._port_edges if (e.src, e.dst) == (src, dst)), key=lambda e: (e.src_port, e.dst_port)
+        )
         if grad:
             edges = [e for e in edges if e.src_port in self._float_ports[src]]
         return edges

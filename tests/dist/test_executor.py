@@ -41,7 +41,11 @@ class Mlp(Stage):
 
     @property
     def outputs(self) -> Mapping[str, TensorSpec]:
-        return {"loss": TensorSpec((), torch.float32)} if self.loss else {"y": TensorSpec(("B", self.d_out), torch.float32)}
+        return (
+            {"loss": TensorSpec((), torch.float32)}
+            if self.loss
+            else {"y": TensorSpec(("B", self.d_out), torch.float32)}
+        )
 
     def build(self) -> nn.Module:
         torch.manual_seed(sum(map(ord, self.name)))

@@ -49,7 +49,9 @@ def test_cli_launches_two_ranks_and_rejects_bad_placements(tmp_path: Path) -> No
     run = tmp_path / "run"
     res = subprocess.run(
         cli("train", f"run_dir={run}", "launch.nproc=2", PIPELINE, "train.steps=2", *SMALL),
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert res.returncode == 0, res.stderr[-3000:]
     assert "text->dit:SEND:mb0@r1" in res.stdout  # the plan table is printed before workers start
@@ -57,7 +59,9 @@ def test_cli_launches_two_ranks_and_rejects_bad_placements(tmp_path: Path) -> No
     assert [r["step"] for r in read_metrics(run)] == [0, 1, 2]
     bad = subprocess.run(
         cli("train", f"run_dir={tmp_path / 'bad'}", "launch.nproc=2", "placement={text:[0],vae:[0],dit:[5]}", *SMALL),
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert bad.returncode == 2 and "placement.dit: ranks [5] outside launch.nproc=2" in bad.stderr
     assert not (tmp_path / "bad").exists()
@@ -65,17 +69,28 @@ def test_cli_launches_two_ranks_and_rejects_bad_placements(tmp_path: Path) -> No
 
 def _worker_pids(parent: int) -> list[int]:
     kids = psutil.Process(parent).children(recursive=True)
-    return [p.pid for p in kids if "multiprocessing" in " ".join(p.cmdline()) and "resource_tracker" not in " ".join(p.cmdline())]
+    return [
+        p.pid
+        for p in kids
+        if "multiprocessing" in " ".join(p.cmdline()) and "resource_tracker" not in " ".join(p.cmdline())
+    ]
 
 
 def test_sigkilled_worker_restarts_and_finishes_identically(tmp_path: Path) -> None:
     steps = ["train.steps=24", "train.ckpt_every=4"]
     ref = tmp_path / "ref"
-    subprocess.run(cli("train", f"run_dir={ref}", "launch.nproc=2", PIPELINE, *steps, *SMALL), check=True, timeout=300, capture_output=True)
+    subprocess.run(
+        cli("train", f"run_dir={ref}", "launch.nproc=2", PIPELINE, *steps, *SMALL),
+        check=True,
+        timeout=300,
+        capture_output=True,
+    )
     run = tmp_path / "run"
     proc = subprocess.Popen(
         cli("train", f"run_dir={run}", "launch.nproc=2", "launch.max_restarts=1", PIPELINE, *steps, *SMALL),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     deadline = time.time() + 240
     while time.time() < deadline and (latest_checkpoint(run) is None or latest_checkpoint(run).name < "step_00000008"):
@@ -99,11 +114,28 @@ def test_two_nodes_on_localhost(tmp_path: Path) -> None:
     nodes = [
         subprocess.Popen(
             [
-                sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-                "--node-rank", str(node), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-                "--rdzv-id", "two-nodes", "-m", "mmpipe.runtime.worker", *args,
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--nproc-per-node",
+                "1",
+                "--node-rank",
+                str(node),
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"127.0.0.1:{port}",
+                "--rdzv-id",
+                "two-nodes",
+                "-m",
+                "mmpipe.runtime.worker",
+                *args,
             ],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         for node in range(2)
     ]
@@ -117,7 +149,9 @@ def test_dead_worker_without_restarts_is_a_clean_error(tmp_path: Path) -> None:
     run = tmp_path / "run"
     proc = subprocess.Popen(
         cli("train", f"run_dir={run}", "launch.nproc=2", PIPELINE, "train.steps=500", *SMALL),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     deadline = time.time() + 120
     while time.time() < deadline and not (run / "metrics.jsonl").is_file():

@@ -13,7 +13,7 @@ import pytest
 import torch
 from diffusers import WanTransformer3DModel
 
-from mmpipe.checkpoint import latest_checkpoint, load_latest_weights
+from mmpipe.checkpoint import load_latest_weights
 from mmpipe.config import DataConfig, LaunchConfig, ModelConfig, RunConfig, StageParallelConfig, TrainConfig
 from mmpipe.runtime.events import read_events
 from mmpipe.train import read_metrics, train
@@ -34,8 +34,15 @@ def run(
         model=model or ModelConfig(),
         data=DataConfig(frames=9, height=32, width=32, num_samples=64, val_samples=max(4, batch_size)),
         train=TrainConfig(
-            steps=STEPS, batch_size=batch_size, micro_batches=2, warmup_steps=1, log_every=1, val_every=1000,
-            ckpt_every=STEPS, progress=False, threads=1,
+            steps=STEPS,
+            batch_size=batch_size,
+            micro_batches=2,
+            warmup_steps=1,
+            log_every=1,
+            val_every=1000,
+            ckpt_every=STEPS,
+            progress=False,
+            threads=1,
         ),
         launch=LaunchConfig(nproc=nproc, timeout_s=120),
         placement=placement,
@@ -65,7 +72,9 @@ PIPELINE_ONLY = [
 
 
 @pytest.mark.parametrize(("nproc", "placement"), PIPELINE_ONLY)
-def test_pipeline_placements_are_bitwise_identical(reference: Path, tmp_path: Path, nproc: int, placement: dict) -> None:
+def test_pipeline_placements_are_bitwise_identical(
+    reference: Path, tmp_path: Path, nproc: int, placement: dict
+) -> None:
     run(tmp_path, nproc, placement)
     ref, got = read_metrics(reference), read_metrics(tmp_path)
     assert [r.get("loss") for r in got] == [r.get("loss") for r in ref]

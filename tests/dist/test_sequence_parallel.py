@@ -48,7 +48,10 @@ def _run_cases(rank: int, world: int) -> list[tuple[tuple[int, int, bool, int], 
         out.backward(dout)
         ref = [lay.shard(t, 2, mesh.index) for t in _reference(length, causal, seed=i)]
         errors.append(
-            ((u, r, causal, length), [float((a - b).abs().max()) for a, b in zip((out, q.grad, k.grad, v.grad), ref, strict=True)])
+            (
+                (u, r, causal, length),
+                [float((a - b).abs().max()) for a, b in zip((out, q.grad, k.grad, v.grad), ref, strict=True)],
+            )
         )
     return errors
 
@@ -66,8 +69,12 @@ def test_attention_matches_single_process(world: int) -> None:
 
 
 def _refusals(rank: int, world: int) -> list[str]:
-    mesh_ring = SequenceMesh.from_device_mesh(DeviceMesh("cpu", torch.arange(2).view(2, 1), mesh_dim_names=("ring", "ulysses")), zigzag=False)
-    mesh_uly = SequenceMesh.from_device_mesh(DeviceMesh("cpu", torch.arange(2).view(1, 2), mesh_dim_names=("ring", "ulysses")), zigzag=False)
+    mesh_ring = SequenceMesh.from_device_mesh(
+        DeviceMesh("cpu", torch.arange(2).view(2, 1), mesh_dim_names=("ring", "ulysses")), zigzag=False
+    )
+    mesh_uly = SequenceMesh.from_device_mesh(
+        DeviceMesh("cpu", torch.arange(2).view(1, 2), mesh_dim_names=("ring", "ulysses")), zigzag=False
+    )
     x = torch.randn(1, 3, 4, 8)
     messages = []
     for mesh, impl in ((mesh_ring, select_backend("sdpa")), (mesh_uly, None)):
