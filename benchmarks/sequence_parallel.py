@@ -471,7 +471,10 @@ def run_cases(rank: int, world: int, cases: list[Case], st: Settings) -> list[di
                     )
                 if note is not None and not backward:
                     yc_fwd_note = note + " [forward; backward not attempted]"
-            timed = [ours] + ([yc] if yc is not None and note is None else [])
+            comparable = yc is not None and note is None
+            if comparable and st.device == "cpu" and attn_label == "torch_math":
+                note = "kernels differ: yunchang's torch_math materialises the scores, ours runs ATen's flash kernel"
+            timed = [ours] + ([yc] if comparable and yc is not None else [])
             for _ in range(st.warmup - 1):
                 for who in timed:
                     who.run(backward)
@@ -480,7 +483,7 @@ def run_cases(rank: int, world: int, cases: list[Case], st: Settings) -> list[di
                 for who in timed if i % 2 == 0 else timed[::-1]:
                     times[id(who)].append(_timed(functools.partial(who.run, backward), device))
             ours_s = statistics.median(_global_max(times[id(ours)], device))
-            yc_s = statistics.median(_global_max(times[id(yc)], device)) if len(timed) > 1 else None
+            yc_s = statistics.median(_global_max(times[id(yc)], device)) if comparable else None
             row = _row(c, st, "fwd+bwd" if backward else "fwd", ours_s, yc_s, ours_err, yc_err)
             row.update(yunchang_attn=attn_label, note=note)
             rows.append(row)
@@ -627,13 +630,19 @@ def main(argv: list[str] | None = None) -> None:
             st = dataclasses.replace(st, ref_dir=tmp)
             precompute_cpu_references([c for w in worlds for c in build_cases(w, seqs, heads)], st)
         print(
-            f"device={device} dtype={st.dtype} batch={st.batch} head_dim={st.head_dim} reps={st.reps}", file=sys.stderr
+            f"device={device} dtype={st.dtype} batch={st.batch} head_dim={st.head_dim} reps={st.reps}; load average "
+            f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} CPUs (other load skews CPU timings)",
+            file=sys.stderr,
         )
         print(HEADER, file=sys.stderr)
         for world in worlds:
             cases = [c for c in build_cases(world, seqs, heads) if c.heads % c.ulysses == 0]
             results += run_world(world, cases, st)
-    print(f"total {time.perf_counter() - t_start:.1f} s", file=sys.stderr)
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(
+        f"total {time.perf_counter() - t_start:.1f} s; load average now {load} on {os.cpu_count()} CPUs",
+        file=sys.stderr,
+    )
     print(json.dumps({"results": results}))
 
 

@@ -75,6 +75,36 @@ class ImageTextLM(nn.Module):
         model.projector.load_state_dict(load_file(str(path / "projector.safetensors")))
         return model
 
+    def forward(
+        self,
+        image_tokens_BNV: torch.Tensor,
+        input_ids_BL: torch.Tensor,
+        attention_mask_BL: torch.Tensor,
+        sequence: SequenceState | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(hidden, mask)`` of the image + text sequence; with ``sequence``, of this rank's tokens
+        only (see :class:`MultimodalLLMStage`). One ``forward`` so that FSDP2's hooks wrap all of it."""
+        image_BNH = self.projector(image_tokens_BNV)
+        lm: Any = self.lm
+        text_BLH = lm.get_input_embeddings()(input_ids_BL)
+        ones_BN = torch.ones(image_BNH.shape[:2], dtype=torch.int64, device=image_BNH.device)
+        mask_BS = torch.cat([ones_BN, attention_mask_BL], dim=1)
+        embeds_BSH = torch.cat([image_BNH, text_BLH], dim=1)
+        if sequence is None:
+            hidden_BSH = lm(inputs_embeds=embeds_BSH, attention_mask=mask_BS).last_hidden_state
+            return hidden_BSH.masked_fill(~mask_BS.bool().unsqueeze(-1), 0), mask_BS
+        if bool((mask_BS[:, 1:] > mask_BS[:, :-1]).any()):
+            raise ValueError("sequence parallelism needs right-padded text (padding last)")
+        length = embeds_BSH.shape[1]
+        pos_S = sequence.mesh.layout.positions(length, sequence.mesh.index, device=embeds_BSH.device)
+        with sequence.tokens(length):
+            hidden_BsH = lm(
+                inputs_embeds=embeds_BSH[:, pos_S],
+                position_ids=pos_S.unsqueeze(0).expand(embeds_BSH.shape[0], -1),
+                mmpipe_sequence=sequence,
+            ).last_hidden_state
+        return hidden_BsH.masked_fill(~mask_BS[:, pos_S].bool().unsqueeze(-1), 0), mask_BS
+
 
 class MultimodalLLMStage(SourcedStage):
     """``image_tokens, input_ids, attention_mask -> hidden (B, N + L, H), mask``, trainable; hidden
@@ -140,29 +170,8 @@ class MultimodalLLMStage(SourcedStage):
         }
 
     def forward(self, module: nn.Module, inputs: Mapping[str, Any], **options: Any) -> dict[str, Any]:
-        assert isinstance(module, ImageTextLM)
-        image_BNH = module.projector(inputs["image_tokens"])
-        lm: Any = module.lm
-        text_BLH = lm.get_input_embeddings()(inputs["input_ids"])
-        mask_BS = torch.cat(
-            [torch.ones(image_BNH.shape[:2], dtype=torch.int64, device=image_BNH.device), inputs["attention_mask"]],
-            dim=1,
-        )
-        embeds_BSH = torch.cat([image_BNH, text_BLH], dim=1)
-        if self._sequence is None:
-            hidden_BSH = lm(inputs_embeds=embeds_BSH, attention_mask=mask_BS).last_hidden_state
-            return {"hidden": hidden_BSH.masked_fill(~mask_BS.bool().unsqueeze(-1), 0), "mask": mask_BS}
-        if bool((mask_BS[:, 1:] > mask_BS[:, :-1]).any()):
-            raise ValueError(f"stage {self.name!r}: sequence parallelism needs right-padded text (padding last)")
-        state, length = self._sequence, embeds_BSH.shape[1]
-        pos_S = state.mesh.layout.positions(length, state.mesh.index, device=embeds_BSH.device)
-        with state.tokens(length):
-            hidden_BsH = lm(
-                inputs_embeds=embeds_BSH[:, pos_S],
-                position_ids=pos_S.unsqueeze(0).expand(embeds_BSH.shape[0], -1),
-                mmpipe_sequence=state,
-            ).last_hidden_state
-        return {"hidden": hidden_BsH.masked_fill(~mask_BS[:, pos_S].bool().unsqueeze(-1), 0), "mask": mask_BS}
+        hidden, mask = module(inputs["image_tokens"], inputs["input_ids"], inputs["attention_mask"], self._sequence)
+        return {"hidden": hidden, "mask": mask}
 
 
 class Connector(nn.Module):

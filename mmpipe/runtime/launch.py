@@ -14,6 +14,8 @@ import json
 import os
 import socket
 import uuid
+from pathlib import Path
+from typing import Any
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig as ElasticConfig
@@ -59,6 +61,9 @@ def launch_local(cfg: RunConfig) -> None:
     try:
         elastic_launch(elastic, run)(to_dict(cfg))
     except ChildFailedError as err:
+        recorded = _recorded_failure(Path(cfg.run_dir)) if cfg.run_dir else None
+        if recorded is not None:
+            raise WorkerFailure(f"training worker rank {recorded['rank']} failed: {recorded['message']}") from None
         rank, failure = err.get_first_failure()
         message = failure.message if isinstance(failure.message, str) else json.dumps(failure.message)
         raise WorkerFailure(f"training worker rank {rank} failed (exit code {failure.exitcode}): {message}") from None
@@ -67,3 +72,15 @@ def launch_local(cfg: RunConfig) -> None:
             os.environ.pop(_OWN_STORE, None)
         else:
             os.environ[_OWN_STORE] = saved
+
+
+def _recorded_failure(run_dir: Path) -> dict[str, Any] | None:
+    """The error the workers recorded that caused the others: the earliest one that is not a lost
+    connection to a peer (what every other rank reports once one rank dies)."""
+    records = [json.loads(p.read_text()) for p in sorted((run_dir / "errors").glob("rank*.json"))]
+    if not records:
+        return None
+    for p in (run_dir / "errors").glob("rank*.json"):
+        p.unlink()  # a restarted or resumed run starts clean
+    causes = [r for r in records if "Connection closed by peer" not in r["message"]] or records
+    return min(causes, key=lambda r: r["time"])

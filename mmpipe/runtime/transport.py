@@ -49,7 +49,8 @@ def isend_tensors(
     tensors: Sequence[torch.Tensor], dst: int, tag: int, group: dist.ProcessGroup | None = None
 ) -> list[dist.Work]:
     """Start sending ``tensors`` to global rank ``dst``; the caller keeps them alive until the works finish."""
-    payload = [_header(tensors)] + [t.detach().contiguous() for t in tensors]
+    # Empty tensors travel in the header only (gloo cannot send zero bytes).
+    payload = [_header(tensors)] + [t.detach().contiguous() for t in tensors if t.numel()]
     works = []
     for t in payload:
         work = dist.isend(t, dst=dst, group=group, tag=tag)
@@ -68,7 +69,8 @@ def recv_tensors(src: int, tag: int, expected: int, group: dist.ProcessGroup | N
     out = []
     for dtype, shape in specs:
         t = torch.empty(shape, dtype=dtype)
-        dist.recv(t, src=src, group=group, tag=tag)
+        if t.numel():
+            dist.recv(t, src=src, group=group, tag=tag)
         out.append(t)
     return out
 

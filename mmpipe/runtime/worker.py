@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +31,19 @@ def run(raw: dict[str, Any]) -> None:
     graph = build_training_graph(cfg.model, pipeline_dir(cfg.model, Path(cfg.run_dir)))
     try:
         run_rank(cfg, graph, rank=rank, world_size=world)
+    except Exception as err:
+        record_failure(Path(cfg.run_dir), rank, err)
+        raise
     finally:
         torch.distributed.destroy_process_group()
+
+
+def record_failure(run_dir: Path, rank: int, err: BaseException) -> None:
+    """Write this rank's error to ``RUN_DIR/errors/rank<R>.json``: the launcher reports the one that
+    caused the others (the agent stops the rest of the ranks after the first exit it sees)."""
+    path = run_dir / "errors" / f"rank{rank}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"rank": rank, "time": time.time(), "message": f"{type(err).__name__}: {err}"}))
 
 
 def main(argv: list[str] | None = None) -> int:
