@@ -567,7 +567,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--quick", action="store_true", help="tiny shapes, 2 repetitions: a smoke run of seconds")
     p.add_argument("--worlds", type=int, nargs="+", help="rank counts (default: 2 4 on CPU; 2 4 8 up to the GPU count)")
-    p.add_argument("--seq", type=int, nargs="+", help="sequence lengths (default: CPU 2048 8192; GPU 16384 65536)")
+    p.add_argument("--seq", type=int, nargs="+", help="sequence lengths (default: CPU 2048 6144; GPU 16384 65536)")
     p.add_argument("--heads", type=int, nargs="+", help="head counts (default: CPU 8; GPU 24 40)")
     p.add_argument("--head-dim", type=int, help="default: CPU 64, GPU 128")
     p.add_argument("--batch", type=int, default=1)
@@ -598,7 +598,7 @@ def main(argv: list[str] | None = None) -> None:
     elif gpu:
         seqs, heads, head_dim, reps, warmup = [16384, 65536], [24, 40], 128, 10, 3
     else:
-        seqs, heads, head_dim, reps, warmup = [2048, 8192], [8], 64, 3, 1
+        seqs, heads, head_dim, reps, warmup = [2048, 6144], [8], 64, 3, 1
     worlds = args.worlds or ([w for w in (2, 4, 8) if w <= n_gpu] if gpu else [2, 4])
     if gpu and max(worlds) > n_gpu:
         raise SystemExit(f"{max(worlds)} ranks need {max(worlds)} GPUs, found {n_gpu}")

@@ -282,8 +282,9 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
     if origin is dict:
         if not isinstance(value, dict):
             raise ValueError(f"{key}={value!r}: expected a mapping")
-        if args and dataclasses.is_dataclass(args[1]):
-            return {k: from_dict(args[1], v, f"{key}.{k}.") for k, v in value.items()}
+        item: Any = args[1] if args else None
+        if isinstance(item, type) and dataclasses.is_dataclass(item):
+            return {k: from_dict(item, v, f"{key}.{k}.") for k, v in value.items()}
         return value
     if origin is Literal:
         if value not in args:

@@ -88,10 +88,10 @@ def plan_from_config(cfg: PlanConfig) -> tuple[Graph, PlanReport]:
 
 
 def runtime_limits(cluster: Cluster) -> dict[str, Any]:
-    """What today's runtime can execute on ``cluster``: the CPU (gloo) runtime has neither
-    sequence parallelism nor activation recompute/offload yet, so local plans do without them."""
+    """What today's runtime can execute on ``cluster``: the runtime applies no activation
+    recompute / offload yet, so local (CPU) plans do without them."""
     if cluster.device == "cpu":
-        return {"max_sequence_parallel": 1, "memory_policies": False}
+        return {"memory_policies": False}
     return {}
 
 

@@ -169,11 +169,14 @@ def default_placement(graph: Graph, world_size: int) -> dict[str, DeviceGroup]:
 def check_placement(cfg: RunConfig) -> None:
     """Reject a placement naming unknown stages or ranks outside ``launch.nproc``, or asking for what
     this runtime cannot run yet, before anything is written."""
+    names = training_stages(cfg.model)
+    for stage, p in cfg.parallel.items():
+        if (p.ulysses, p.ring) != (1, 1) and stage not in names:
+            raise PlanError(f"parallel.{stage}: no stage {stage!r} in this graph; stages: {list(names)}")
     if not cfg.placement or cfg.placement == "auto":
         return
     assert isinstance(cfg.placement, dict)
     placement = parse_placement(cfg.placement)
-    names = training_stages(cfg.model)
     unknown = sorted(set(placement) - set(names))
     missing = sorted(set(names) - set(placement))
     if unknown or missing:
@@ -183,6 +186,7 @@ def check_placement(cfg: RunConfig) -> None:
         if bad:
             raise PlanError(f"placement.{stage}: ranks {bad} outside launch.nproc={cfg.launch.nproc}")
         check_runtime_support(stage, group)
+    check_frames(apply_parallel(placement, cfg.parallel), cfg)
 
 
 def check_runtime_support(stage: str, group: DeviceGroup) -> None:
@@ -246,12 +250,17 @@ def apply_parallel(
 
 def check_sequence_parallel(graph: Graph, placement: dict[str, DeviceGroup], cfg: RunConfig) -> None:
     """Each split stage can take its degrees (capabilities, head counts) and has a token share on every rank."""
+    for stage, group in placement.items():
+        if group.sp > 1:
+            graph.stages[stage].check_sequence_parallel(group.ulysses, group.ring)
+    check_frames(placement, cfg)
+
+
+def check_frames(placement: dict[str, DeviceGroup], cfg: RunConfig) -> None:
+    """The DiT, split by whole latent frames, has at least one frame per sequence-parallel rank."""
     latent_frames = (cfg.data.frames - 1) // 4 + 1  # the Wan VAE's causal 4x temporal compression
     for stage, group in placement.items():
-        if group.sp == 1:
-            continue
-        graph.stages[stage].check_sequence_parallel(group.ulysses, group.ring)
-        if "latents" in graph.stages[stage].sequence_inputs and latent_frames < group.sp:
+        if stage == "dit" and latent_frames < group.sp:
             raise PlanError(
                 f"parallel.{stage}: data.frames={cfg.data.frames} gives {latent_frames} latent frames, fewer than "
                 f"its {group.sp} sequence-parallel ranks (ulysses={group.ulysses} x ring={group.ring}); "

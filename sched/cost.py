@@ -64,6 +64,7 @@ class StageCost:
     tokens: int  # sequence length the blocks run on (0: no blocks)
     hidden: int
     heads: int
+    split_units: int = 0  # what sequence parallelism splits whole (e.g. latent frames); 0: tokens
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -197,6 +198,7 @@ def _measure(
         tokens=tracker.tokens,
         hidden=tracker.hidden,
         heads=_heads(cfg),
+        split_units=_split_units(stage, inputs),
     )
     return cost, {k: v.detach() for k, v in tensors.items()}
 
@@ -294,6 +296,14 @@ class _FlashAttention(TorchFunctionMode):
         return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=a.get("scale"))[0]
 
 
+def _split_units(stage: Stage, feed: Mapping[str, torch.Tensor]) -> int:
+    """The size of the first input a sequence-parallel stage splits (its frames, for a DiT)."""
+    for port, dim in stage.sequence_inputs.items():
+        if port in feed:
+            return int(feed[port].shape[dim])
+    return 0
+
+
 def _heads(cfg: Any) -> int:
     if cfg is None:
         return 0
@@ -337,7 +347,7 @@ def _cache_key(stage: Stage, feed: Mapping[str, torch.Tensor], backward: bool) -
         cfg_dict = dict(vars(cfg))
     blob = json.dumps(
         {
-            "v": 1,
+            "v": 2,
             "cls": type(stage).__qualname__,
             "stage": {k: v for k, v in vars(stage).items() if isinstance(v, int | float | str | bool)},
             "config": cfg_dict,

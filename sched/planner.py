@@ -602,11 +602,12 @@ class Planner:
         if stage not in self.w.sequence_parallel or not c.blocks or c.tokens < 2:
             return [(1, 1)]
         domain = self.cluster.levels[0].size
+        units = c.split_units or c.tokens  # every rank of a replica needs at least one whole unit
         out = []
         for u in _divisors(c.heads or 1):
             for r in RING:
                 sp = u * r
-                if sp <= self.max_sp and domain % sp == 0 and c.tokens >= 2 * sp:
+                if sp <= self.max_sp and domain % sp == 0 and c.tokens >= 2 * sp and units >= sp:
                     out.append((u, r))
         return out
 

@@ -208,6 +208,8 @@ class HunyuanVideoDiTFlowMatchingStage(FlowMatchingDiTStage):
 
     model_cls = HunyuanVideoTransformer3DModel
     context_dim_key = "text_embed_dim"
+    # Not sequence parallel yet: see check_sequence_parallel. The planner reads this too.
+    capabilities = Capabilities(fsdp=True, offload=True)
 
     def __init__(
         self,

@@ -47,7 +47,7 @@ def test_plan_json_for_local_ranks_is_a_runnable_placement(tmp_path: Path) -> No
     assert report["gpus"] == 2 and report["fits_memory"]
     assert set(report["placement"]) == {"text", "vae", "dit"}
     for group in report["placement"].values():
-        # what today's runtime executes: data parallelism only
+        # no memory policy on the local runtime; tiny sequences are not worth splitting over gloo
         assert group["ulysses"] == group["ring"] == 1 and group["recompute"] == group["offload"] == 0
         assert set(group["ranks"]) <= {0, 1}
     assert report["vs_lower_bound"] <= 1.0 + 1e-9
@@ -65,12 +65,27 @@ def test_plan_and_train_reject_bad_input_before_starting(tmp_path: Path) -> None
     res = mmpipe(
         "train",
         "launch.nproc=2",
-        "placement={text:[0],vae:[0],dit:{ranks:[0,1],dp:1,ulysses:2}}",
+        "placement={text:[0],vae:[0],dit:[0,1]}",
+        "parallel.dit.ulysses=3",
         f"run_dir={tmp_path / 'run'}",
         cwd=tmp_path,
     )
-    assert res.returncode == 2 and "sequence parallelism" in res.stderr
+    assert res.returncode == 2 and "parallel.dit: ulysses=3 x ring=1 = 3 does not divide the 2 ranks" in res.stderr
+    res = mmpipe("train", "launch.nproc=3", "parallel.llm.ring=2", f"run_dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert res.returncode == 2 and "no stage 'llm'" in res.stderr
     assert not (tmp_path / "run").exists()
+    # the default placement is known once the graph is built (the run directory then exists; no worker started)
+    res = mmpipe("train", "launch.nproc=3", "parallel.dit.ring=4", f"run_dir={tmp_path / 'ring4'}", cwd=tmp_path)
+    assert res.returncode == 2 and "ring=4 = 4 does not divide the 2 ranks placed for 'dit'" in res.stderr
+    res = mmpipe(
+        "train",
+        "launch.nproc=4",
+        "placement={text:[0],vae:[0],dit:[1,2,3]}",
+        "parallel.dit.ulysses=3",
+        f"run_dir={tmp_path / 'heads'}",
+        cwd=tmp_path,
+    )
+    assert res.returncode == 2 and "16 attention heads cannot be split over ulysses=3" in res.stderr
     res = mmpipe("train", "model=wan14b_t2v", "train.steps=1", f"run_dir={tmp_path / 'big'}", cwd=tmp_path)
     assert res.returncode == 2 and "architecture-only" in res.stderr
 
