@@ -227,7 +227,7 @@ def install_cpu_shim() -> None:
     """Make yunchang's ring functions look up ATen's CPU flash kernel for their forward and backward blocks."""
     for name in ("yunchang.ring.ring_flash_attn", "yunchang.ring.zigzag_ring_flash_attn"):
         module = importlib.import_module(name)
-        original = module.select_flash_attn_impl
+        original = vars(module)["select_flash_attn_impl"]
 
         def select(impl_type: Any, stage: str = "fwd-bwd", attn_processor: Any = None, _orig: Any = original) -> Any:
             if stage == "fwd-only":
@@ -236,7 +236,7 @@ def install_cpu_shim() -> None:
                 return _aten_cpu_backward
             return _orig(impl_type, stage, attn_processor)
 
-        module.select_flash_attn_impl = select
+        vars(module)["select_flash_attn_impl"] = select
 
 
 def yunchang_attn_type(st: Settings) -> tuple[Any, str]:

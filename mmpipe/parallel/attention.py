@@ -144,18 +144,21 @@ def select_backend(name: str | AttentionBackend | None = None, *, device: torch.
         ) from None
 
 
-def _supports(impl: AttentionImpl, q: torch.Tensor) -> AttentionImpl:
-    """Fall back to ``math`` where the fused kernel has no implementation (CUDA flash: fp16 / bf16 only)."""
-    if impl.name == AttentionBackend.TORCH and q.is_cuda and q.dtype not in (torch.float16, torch.bfloat16):
-        return _BACKENDS[AttentionBackend.MATH]
-    return impl
+def _has_fused_kernel(impl: AttentionImpl, q: torch.Tensor) -> bool:
+    """ATen's CUDA flash kernel takes fp16 / bf16 only (its CPU one any float dtype)."""
+    return not (impl.name == AttentionBackend.TORCH and q.is_cuda and q.dtype not in (torch.float16, torch.bfloat16))
 
 
 def attention_with_lse(
     impl: AttentionImpl, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out_BHSD, lse_BHS)`` of one block, no autograd (ring attention's building block)."""
-    impl = _supports(impl, q)
+    if not _has_fused_kernel(impl, q):
+        # Never a silent fallback to the O(S^2)-memory math backend at long sequence lengths.
+        raise ValueError(
+            f"attention backend 'torch' on CUDA needs float16 or bfloat16 inputs for ring attention, got {q.dtype} "
+            "(use bf16, or backend 'math' for small fp32 checks)"
+        )
     if impl.forward is None:
         raise ValueError(
             f"attention backend {impl.name.value!r} cannot return the log-sum-exp that ring attention merges "
@@ -177,7 +180,6 @@ def attention_backward(
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of one block given the (possibly merged) ``out`` and ``lse``."""
-    impl = _supports(impl, q)
     assert impl.backward is not None, "attention_with_lse refuses backends without an LSE"
     return impl.backward(dout, q, k, v, out, lse, causal, scale)
 
@@ -215,6 +217,6 @@ def local_attention(
         return q_BHSD.new_zeros((*q_BHSD.shape[:3], v_BHTD.shape[-1])) + 0 * (
             q_BHSD.sum() + k_BHTD.sum() + v_BHTD.sum()
         )
-    if impl.forward is None:
+    if impl.forward is None or not _has_fused_kernel(impl, q_BHSD):  # PyTorch's own dispatch (fp32 on CUDA)
         return F.scaled_dot_product_attention(q_BHSD, k_BHTD, v_BHTD, is_causal=causal, scale=scale)
     return _Attention.apply(q_BHSD, k_BHTD, v_BHTD, impl, causal, scale)

@@ -76,11 +76,12 @@ def launch_local(cfg: RunConfig) -> None:
 
 def _recorded_failure(run_dir: Path) -> dict[str, Any] | None:
     """The error the workers recorded that caused the others: the earliest one that is not a lost
-    connection to a peer (what every other rank reports once one rank dies)."""
+    connection to a peer (what every other rank reports once one rank dies); ``None`` when there
+    is none (a rank was killed and recorded nothing)."""
     records = [json.loads(p.read_text()) for p in sorted((run_dir / "errors").glob("rank*.json"))]
     if not records:
         return None
     for p in (run_dir / "errors").glob("rank*.json"):
         p.unlink()  # a restarted or resumed run starts clean
-    causes = [r for r in records if "Connection closed by peer" not in r["message"]] or records
-    return min(causes, key=lambda r: r["time"])
+    causes = [r for r in records if "Connection closed by peer" not in r["message"]]
+    return min(causes, key=lambda r: r["time"]) if causes else None  # else: killed, the agent knows how
