@@ -495,6 +495,8 @@ def parse_placement(raw: Mapping[str, Sequence[int] | Mapping[str, object]]) -> 
                     continue
                 if not isinstance(v, int | float) or isinstance(v, bool):
                     raise PlanError(f"placement.{stage}.{k} must be a number, got {v!r}")
+                if k in ("ulysses", "ring") and not isinstance(v, int):
+                    raise PlanError(f"placement.{stage}.{k} must be an int, got {v!r}")
                 extra[k] = float(v)
             sp = int(extra.get("ulysses", 1)) * int(extra.get("ring", 1))
             dp = spec.get("dp", len(ranks) // max(sp, 1) if isinstance(ranks, Sequence) else 1)

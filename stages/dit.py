@@ -17,7 +17,7 @@ Legend: B batch, Z latent channels, t/h/w latent frames/height/width, L text tok
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, cast
 
 import torch
@@ -26,7 +26,7 @@ from diffusers import HunyuanVideoTransformer3DModel, WanTransformer3DModel
 from torch import nn
 
 from mmpipe.graph import Capabilities, TensorSpec
-from mmpipe.parallel.modules import SequenceParallelProcessor, SequenceState
+from mmpipe.parallel.modules import JointSequenceParallelProcessor, SequenceParallelProcessor, SequenceState
 from mmpipe.parallel.sequence import SequenceMesh, check_heads
 from mmpipe.runtime.reshard import Region
 from mmpipe.stages._source import ModuleSource, SourcedStage
@@ -160,6 +160,21 @@ class FlowMatchingDiTStage(SourcedStage):
         """The module's velocity prediction for the noised latents."""
 
 
+def _rotary_for_shard(state: SequenceState, *, token_dim: int) -> Callable[..., tuple[torch.Tensor, ...]]:
+    """A forward hook for a rotary module called on this rank's latent frames: the table of the
+    whole frame grid (the module reads only the input's shape), cut to this rank's tokens."""
+
+    def hook(rope: nn.Module, args: tuple[Any, ...], _: Any) -> tuple[torch.Tensor, ...]:
+        (local_BZthw,) = args
+        assert state.length is not None
+        shape = (*local_BZthw.shape[:2], state.length // state.unit, *local_BZthw.shape[3:])
+        whole = local_BZthw.new_empty(()).expand(shape)  # the shape, without the memory
+        layout, index = state.token_mesh.layout, state.mesh.index
+        return tuple(layout.shard(f, token_dim, index) for f in rope.forward(whole))
+
+    return hook
+
+
 class WanDiTFlowMatchingStage(FlowMatchingDiTStage):
     """The Wan DiT (diffusers ``WanTransformer3DModel``)."""
 
@@ -171,16 +186,7 @@ class WanDiTFlowMatchingStage(FlowMatchingDiTStage):
         whole frame grid, cut to this rank's tokens."""
         for block in cast(Any, module).blocks:
             block.attn1.set_processor(SequenceParallelProcessor(block.attn1.processor, state))
-
-        def rotary_for_shard(rope: nn.Module, args: tuple[Any, ...], _: Any) -> tuple[torch.Tensor, ...]:
-            (local_BZthw,) = args
-            assert state.length is not None
-            total = state.length // state.unit
-            whole = torch.empty((*local_BZthw.shape[:2], total, *local_BZthw.shape[3:]), device="meta")
-            layout, index = state.token_mesh.layout, state.mesh.index
-            return tuple(layout.shard(f, 1, index) for f in rope.forward(whole))
-
-        cast(Any, module).rope.register_forward_hook(rotary_for_shard)
+        cast(Any, module).rope.register_forward_hook(_rotary_for_shard(state, token_dim=1))
 
     def predict(
         self, module: nn.Module, xs_BZthw: torch.Tensor, timestep_B: torch.Tensor, context_BLD: torch.Tensor
@@ -208,8 +214,6 @@ class HunyuanVideoDiTFlowMatchingStage(FlowMatchingDiTStage):
 
     model_cls = HunyuanVideoTransformer3DModel
     context_dim_key = "text_embed_dim"
-    # Not sequence parallel yet: see check_sequence_parallel. The planner reads this too.
-    capabilities = Capabilities(fsdp=True, offload=True)
 
     def __init__(
         self,
@@ -233,17 +237,14 @@ class HunyuanVideoDiTFlowMatchingStage(FlowMatchingDiTStage):
             raise ValueError(f"stage {name!r}: guidance={guidance} given but the module has guidance_embeds=False")
         self.guidance = guidance
 
-    def check_sequence_parallel(self, ulysses: int, ring: int) -> None:
-        # HunyuanVideo attends jointly over video and (masked, padded) text tokens in every block; the
-        # sequence-parallel attention here takes neither masks nor a replicated text tail yet.
-        if ulysses * ring > 1:
-            raise ValueError(
-                f"stage {self.name!r}: the HunyuanVideo DiT does not run sequence parallel yet "
-                f"(ulysses={ulysses} ring={ring}); its joint text-video attention needs a masked text tail"
-            )
-
     def apply_sequence_hooks(self, module: nn.Module, state: SequenceState) -> None:
-        self.check_sequence_parallel(state.mesh.layout.ulysses, state.mesh.layout.ring)
+        """Every dual- and single-stream block attends jointly over this rank's video tokens and the
+        whole (padded) text: joint sequence-parallel attention with the text as a replicated tail. The
+        token refiner (text only) is left alone; the rotary table is cut like Wan's."""
+        m = cast(Any, module)
+        for block in [*m.transformer_blocks, *m.single_transformer_blocks]:
+            block.attn.set_processor(JointSequenceParallelProcessor(block.attn.processor, state))
+        m.rope.register_forward_hook(_rotary_for_shard(state, token_dim=0))
 
     def predict(
         self, module: nn.Module, xs_BZthw: torch.Tensor, timestep_B: torch.Tensor, context_BLD: torch.Tensor

@@ -91,8 +91,12 @@ def _torch_backward(
     return dq, dk, dv
 
 
-def _math_scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+def _math_scores(
+    q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     s_BHST = (q @ k.transpose(-1, -2)) * scale
+    if bias is not None:  # additive: 0 keeps a key, -inf drops it
+        s_BHST = s_BHST + bias
     if causal:  # top-left aligned, as ATen's kernels
         keep = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
         s_BHST = s_BHST.masked_fill(~keep, float("-inf"))
@@ -100,11 +104,13 @@ def _math_scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -
 
 
 def _math_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, bias: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    s_BHST = _math_scores(q, k, causal, scale)
+    s_BHST = _math_scores(q, k, causal, scale, bias)
     lse_BHS = torch.logsumexp(s_BHST, dim=-1)
-    return torch.exp(s_BHST - lse_BHS.unsqueeze(-1)) @ v, lse_BHS
+    # A query whose keys are all dropped gets a zero output and an LSE of -inf (no weight in a merge).
+    finite_BHS1 = torch.where(torch.isinf(lse_BHS), 0.0, lse_BHS).unsqueeze(-1)
+    return torch.exp(s_BHST - finite_BHS1) @ v, lse_BHS
 
 
 def _math_backward(
@@ -116,8 +122,9 @@ def _math_backward(
     lse: torch.Tensor,
     causal: bool,
     scale: float,
+    bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    p_BHST = torch.exp(_math_scores(q, k, causal, scale) - lse.unsqueeze(-1))
+    p_BHST = torch.exp(_math_scores(q, k, causal, scale, bias) - lse.unsqueeze(-1))
     dv = p_BHST.transpose(-1, -2) @ dout
     dp_BHST = dout @ v.transpose(-1, -2)
     delta_BHS1 = (dout * out).sum(-1, keepdim=True)
@@ -142,6 +149,29 @@ def select_backend(name: str | AttentionBackend | None = None, *, device: torch.
         raise ValueError(
             f"unknown attention backend {name!r} (choose from {[b.value for b in AttentionBackend]})"
         ) from None
+
+
+def masked_attention_with_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias_B11T: torch.Tensor, *, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of one block with an additive key mask, explicit softmax (for short blocks:
+    the padded text keys of a joint text-video attention)."""
+    return _math_forward(q, k, v, False, scale, bias_B11T)
+
+
+def masked_attention_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    bias_B11T: torch.Tensor,
+    *,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward of :func:`masked_attention_with_lse` given the (merged) ``out`` and ``lse``."""
+    return _math_backward(dout, q, k, v, out, lse, False, scale, bias_B11T)
 
 
 def _has_fused_kernel(impl: AttentionImpl, q: torch.Tensor) -> bool:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -31,7 +32,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from mmpipe.parallel.attention import AttentionImpl
-from mmpipe.parallel.sequence import SequenceMesh, sequence_parallel_attention
+from mmpipe.parallel.sequence import SequenceMesh, joint_sequence_parallel_attention, sequence_parallel_attention
 
 
 @dataclasses.dataclass
@@ -81,6 +82,38 @@ class SequenceState:
             query, key, value, mesh=self.token_mesh, length=self.length, causal=is_causal, scale=scale, impl=self.impl
         )
 
+    def joint_attention(self, tail: int) -> Callable[..., torch.Tensor]:
+        """``F.scaled_dot_product_attention``'s signature for joint attention over this rank's tokens
+        plus a replicated tail of ``tail`` tokens (text) at the end of the sequence; the boolean
+        ``attn_mask`` ``(B, 1, 1, S + tail)`` may drop tail keys only."""
+
+        def attend(
+            query: torch.Tensor,
+            key: torch.Tensor,
+            value: torch.Tensor,
+            attn_mask: torch.Tensor | None = None,
+            dropout_p: float = 0.0,
+            is_causal: bool = False,
+            scale: float | None = None,
+            enable_gqa: bool = False,
+        ) -> torch.Tensor:
+            if self.length is None:
+                raise RuntimeError("sequence-parallel attention called outside SequenceState.tokens()")
+            if dropout_p or is_causal or enable_gqa:
+                raise ValueError("joint sequence-parallel attention is non-causal, without dropout or GQA")
+            batch = query.shape[0]
+            valid = torch.ones(batch, tail, dtype=torch.bool, device=query.device)
+            if attn_mask is not None:
+                mask = attn_mask.expand(batch, 1, 1, attn_mask.shape[-1]).reshape(batch, -1)
+                if mask.dtype != torch.bool or not bool(mask[:, : mask.shape[1] - tail].all()):
+                    raise ValueError("joint sequence-parallel attention takes a boolean mask over the tail keys only")
+                valid = mask[:, mask.shape[1] - tail :]
+            return joint_sequence_parallel_attention(
+                query, key, value, valid, mesh=self.token_mesh, length=self.length, scale=scale, impl=self.impl
+            )
+
+        return attend
+
 
 class RouteSDPA(TorchFunctionMode):
     """Sends ``F.scaled_dot_product_attention`` calls to ``fn``; everything else runs unchanged."""
@@ -100,6 +133,9 @@ class SequenceParallelProcessor:
 
     def __init__(self, inner: Any, state: SequenceState) -> None:
         self.inner, self.state = inner, state
+        # diffusers' Attention.forward passes a processor only the keyword arguments its __call__
+        # names (it reads inspect.signature(processor.__call__)): show it the wrapped processor's.
+        self.__call__ = functools.wraps(inner.__call__)(functools.partial(type(self).__call__, self))  # type: ignore[method-assign]
 
     def __getattr__(self, name: str) -> Any:  # diffusers reads backend attributes off processors
         return getattr(self.inner, name)
@@ -111,6 +147,19 @@ class SequenceParallelProcessor:
             return self.inner(attn, hidden_states, encoder_hidden_states, *args, **kwargs)
         with RouteSDPA(self.state.attention):
             return self.inner(attn, hidden_states, None, *args, **kwargs)
+
+
+class JointSequenceParallelProcessor(SequenceParallelProcessor):
+    """A diffusers processor of *joint* attention (HunyuanVideo, Flux-style blocks: this rank's video
+    tokens and the whole text context attend together): the one attention call runs over the whole
+    split video sequence with the text as a replicated tail (see ``joint_sequence_parallel_attention``)."""
+
+    def __call__(
+        self, attn: Any, hidden_states: torch.Tensor, encoder_hidden_states: Any = None, *args: Any, **kwargs: Any
+    ) -> Any:
+        tail = 0 if encoder_hidden_states is None else encoder_hidden_states.shape[1]
+        with RouteSDPA(self.state.joint_attention(tail)):
+            return self.inner(attn, hidden_states, encoder_hidden_states, *args, **kwargs)
 
 
 SEQUENCE_ATTENTION = "mmpipe_sequence_parallel"

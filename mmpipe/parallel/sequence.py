@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
 from mmpipe.parallel.attention import (
@@ -41,6 +42,8 @@ from mmpipe.parallel.attention import (
     attention_backward,
     attention_with_lse,
     local_attention,
+    masked_attention_backward,
+    masked_attention_with_lse,
     select_backend,
 )
 
@@ -263,6 +266,7 @@ class _Ring:
     sizes: tuple[int, ...]  # tokens of each ring block
     firsts: tuple[int, ...]  # tokens of each block's first zig-zag chunk (== sizes when contiguous)
     causal: bool
+    queries: int  # this rank's queries: its block, plus any replicated tail (non-causal only)
 
     @property
     def n(self) -> int:
@@ -272,7 +276,7 @@ class _Ring:
         """(query rows, key rows, causal) of this rank's block against block ``src``; ``None``: no work."""
         mine, theirs = self.sizes[self.j], self.sizes[src]
         if not self.causal:
-            q, kv, causal = slice(0, mine), slice(0, theirs), False
+            q, kv, causal = slice(0, self.queries), slice(0, theirs), False
         elif src == self.j:  # the concatenated zig-zag pair is in position order: plain causal
             q, kv, causal = slice(0, mine), slice(0, theirs), True
         elif src < self.j:  # every query follows src's first chunk and precedes its second
@@ -284,15 +288,17 @@ class _Ring:
         return q, kv, causal
 
 
-def _make_ring(mesh: SequenceMesh, length: int, causal: bool) -> _Ring:
+def _make_ring(mesh: SequenceMesh, length: int, causal: bool, tail: int = 0) -> _Ring:
     blocks = [mesh.layout.ring_ranges(length, j) for j in range(mesh.layout.ring)]
+    sizes = tuple(sum(b - a for a, b in blk) for blk in blocks)
     return _Ring(
         mesh.ring_ranks,
         mesh.ring_group,
         mesh.ring_index,
-        tuple(sum(b - a for a, b in blk) for blk in blocks),
+        sizes,
         tuple(blk[0][1] - blk[0][0] for blk in blocks),
         causal,
+        sizes[mesh.ring_index] + tail,
     )
 
 
@@ -324,11 +330,25 @@ def _with_len(shape: torch.Size, n: int) -> torch.Size:
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: _Ring, impl: AttentionImpl, scale: float
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        ring: _Ring,
+        impl: AttentionImpl,
+        scale: float,
+        k_tail: torch.Tensor | None = None,
+        v_tail: torch.Tensor | None = None,
+        bias_tail: torch.Tensor | None = None,
     ) -> torch.Tensor:
         acc = torch.promote_types(q.dtype, torch.float32)
         out = torch.zeros(q.shape[:3] + v.shape[3:], dtype=acc, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
+        if k_tail is not None:  # the replicated tail's keys: once, on every rank, before the ring turns
+            assert v_tail is not None and bias_tail is not None
+            out, lse = masked_attention_with_lse(
+                q.to(acc), k_tail.to(acc), v_tail.to(acc), bias_tail.to(acc), scale=scale
+            )
         kv = [k.contiguous(), v.contiguous()]
         for step in range(ring.n):
             src = (ring.j - step) % ring.n
@@ -356,17 +376,31 @@ class _RingAttention(torch.autograd.Function):
                 _wait(works)
                 kv = nxt
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, k_tail, v_tail, bias_tail)
         ctx.ring, ctx.impl, ctx.scale = ring, impl, scale
         return out
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, k_tail, v_tail, bias_tail = ctx.saved_tensors
         ring, impl, scale = ctx.ring, ctx.impl, ctx.scale
         acc = torch.promote_types(q.dtype, torch.float32)
         dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        dk_tail = dv_tail = None
+        if k_tail is not None:
+            dq_t, dk_tail, dv_tail = masked_attention_backward(
+                dout.to(acc),
+                q.to(acc),
+                k_tail.to(acc),
+                v_tail.to(acc),
+                out.to(acc),
+                lse,
+                bias_tail.to(acc),
+                scale=scale,
+            )
+            dq += dq_t
+            dk_tail, dv_tail = dk_tail.to(k_tail.dtype), dv_tail.to(v_tail.dtype)
         kv = [k.contiguous(), v.contiguous()]
         dkv_works: list[dist.Work] = []
         dkv_in: list[torch.Tensor] = []
@@ -410,7 +444,7 @@ class _RingAttention(torch.autograd.Function):
                 kv = nxt
         _wait(dkv_works)
         dk_own, dv_own = dkv_in
-        return dq.to(q.dtype), dk_own.to(k.dtype), dv_own.to(v.dtype), None, None, None
+        return dq.to(q.dtype), dk_own.to(k.dtype), dv_own.to(v.dtype), None, None, None, dk_tail, dv_tail, None
 
 
 # ---- the public entry point ---------------------------------------------------------------------
@@ -446,6 +480,71 @@ def sequence_parallel_attention(
     else:
         out = local_attention(q_BHSD, k_BHSD, v_BHSD, causal=causal, scale=scale, impl=impl)
     return heads_to_seq(out, mesh, length) if lay.ulysses > 1 else out
+
+
+class _GatherHeads(torch.autograd.Function):
+    """All-gather of the heads of a value every rank of the Ulysses group then uses alike; its
+    gradient arrives as per-rank shares (each rank's own tokens' use), summed before the slice."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup | None, size: int, mine: int) -> torch.Tensor:  # type: ignore[override]
+        parts = [torch.empty_like(x) for _ in range(size)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        ctx.group, ctx.mine, ctx.heads = group, mine, x.shape[1]
+        return torch.cat(parts, dim=1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad[:, ctx.mine * ctx.heads : (ctx.mine + 1) * ctx.heads], None, None, None
+
+
+def joint_sequence_parallel_attention(
+    q_BHSD: torch.Tensor,
+    k_BHSD: torch.Tensor,
+    v_BHSD: torch.Tensor,
+    tail_valid_BL: torch.Tensor,
+    *,
+    mesh: SequenceMesh,
+    length: int,
+    scale: float | None = None,
+    impl: AttentionImpl | None = None,
+) -> torch.Tensor:
+    """Non-causal attention over a split sequence of ``length`` tokens *plus* a replicated tail of
+    ``L`` tokens (text, in joint text-video attention), whose keys ``tail_valid_BL`` marks valid.
+
+    ``q/k/v`` hold this rank's tokens followed by the whole tail (``L = tail_valid_BL.shape[1]``);
+    returns the output for the same tokens. The tail's queries see every token and its keys are
+    seen by every query; each rank computes the tail's outputs in full (it is short), and their
+    gradients arrive as per-rank shares like every replicated value's.
+    """
+    lay = mesh.layout
+    if lay.zigzag:
+        raise ValueError("joint attention with a replicated tail is non-causal; the layout must be contiguous")
+    impl = impl or select_backend(device=q_BHSD.device)
+    scale = 1.0 / math.sqrt(q_BHSD.shape[-1]) if scale is None else scale
+    tail = tail_valid_BL.shape[1]
+    (qs, qt), (ks, kt), (vs, vt) = (t.split([t.shape[2] - tail, tail], dim=2) for t in (q_BHSD, k_BHSD, v_BHSD))
+    if lay.ulysses > 1:
+        check_heads(q_BHSD.shape[1], lay.ulysses)
+        qs, ks, vs = (seq_to_heads(t, mesh, length) for t in (qs, ks, vs))
+        h, u = qs.shape[1], mesh.ulysses_index
+        qt, kt, vt = (t[:, u * h : (u + 1) * h] for t in (qt, kt, vt))
+    bias_B11L = torch.zeros(tail_valid_BL.shape, dtype=torch.float32, device=q_BHSD.device)
+    bias_B11L = bias_B11L.masked_fill(~tail_valid_BL, float("-inf"))[:, None, None, :]
+    q_all = torch.cat([qs, qt], dim=2)
+    if lay.ring > 1:
+        out = _RingAttention.apply(q_all, ks, vs, _make_ring(mesh, length, False, tail), impl, scale, kt, vt, bias_B11L)
+    else:
+        keys_bias = torch.cat([bias_B11L.new_zeros((*bias_B11L.shape[:3], ks.shape[2])), bias_B11L], dim=-1)
+        k_all, v_all = torch.cat([ks, kt], dim=2), torch.cat([vs, vt], dim=2)
+        out = F.scaled_dot_product_attention(q_all, k_all, v_all, attn_mask=keys_bias.to(q_all.dtype), scale=scale)
+    out_s, out_t = out.split([out.shape[2] - tail, tail], dim=2)
+    if lay.ulysses > 1:
+        out_s = heads_to_seq(out_s, mesh, length)
+        out_t = _GatherHeads.apply(out_t, mesh.ulysses_group, lay.ulysses, mesh.ulysses_index)
+    return torch.cat([out_s, out_t], dim=2)
 
 
 # ---- moving whole tensors between layouts -------------------------------------------------------

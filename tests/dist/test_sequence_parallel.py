@@ -1,5 +1,6 @@
 """Ulysses, ring and 2-D attention on 2 and 4 gloo processes against the unsplit single-process attention:
-outputs and the gradients of q, k and v, causal and non-causal, even and uneven lengths."""
+outputs and the gradients of q, k and v, causal and non-causal, even and uneven lengths, and joint
+attention with a replicated, padded text tail (HunyuanVideo's)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,17 @@ import itertools
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from workers import run_workers
 
 from mmpipe.parallel.attention import local_attention, select_backend
-from mmpipe.parallel.sequence import SequenceLayout, SequenceMesh, sequence_parallel_attention
+from mmpipe.parallel.sequence import (
+    SequenceLayout,
+    SequenceMesh,
+    joint_sequence_parallel_attention,
+    sequence_parallel_attention,
+)
 
 B, H, D = 2, 4, 8
 LENGTHS = (16, 13)  # even, and not divisible by 2, 4 or 8 (zig-zag chunks of 2 and 1 tokens)
@@ -53,13 +60,61 @@ def _run_cases(rank: int, world: int) -> list[tuple[tuple[int, int, bool, int], 
                 [float((a - b).abs().max()) for a, b in zip((out, q.grad, k.grad, v.grad), ref, strict=True)],
             )
         )
+    for i, (u, r, length) in enumerate(_joint_cases(world)):  # non-causal with a replicated text tail
+        mesh = SequenceMesh.from_device_mesh(meshes[(u, r)], zigzag=False)
+        got, ref = _joint_run(mesh, length, seed=100 + i), _joint_reference(length, seed=100 + i)
+        for _, tail_grad in got[1:]:  # the tail's gradients: per-rank shares of the whole
+            dist.all_reduce(tail_grad)
+        lay, idx = mesh.layout, mesh.index
+        diffs = []
+        for (gs, gt), (rs, rt) in zip(got, ref, strict=True):
+            diffs += [float((gs - lay.shard(rs, 2, idx)).abs().max()), float((gt - rt).abs().max())]
+        errors.append(((u, r, "joint", length), diffs))
     return errors
+
+
+TAIL = 5  # text tokens; sample 1 has its last 2 padded
+
+
+def _joint_cases(world: int) -> list[tuple[int, int, int]]:
+    degrees = [(world, 1), (1, world)] + ([(2, 2)] if world == 4 else [])
+    return [(u, r, n) for (u, r), n in itertools.product(degrees, LENGTHS)]
+
+
+def _tail_valid() -> torch.Tensor:
+    valid = torch.ones(B, TAIL, dtype=torch.bool)
+    valid[1, -2:] = False
+    return valid
+
+
+def _joint_reference(length: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    q, k, v, dout = (t.clone().requires_grad_(i < 3) for i, t in enumerate(_inputs(length + TAIL, seed)))
+    valid = torch.cat([torch.ones(B, length, dtype=torch.bool), _tail_valid()], 1)
+    bias = torch.zeros(B, 1, 1, length + TAIL).masked_fill(~valid[:, None, None], float("-inf"))
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    out.backward(dout)
+    return [(t[:, :, :length].detach(), t[:, :, length:].detach()) for t in (out, q.grad, k.grad, v.grad)]
+
+
+def _joint_run(mesh: SequenceMesh, length: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    lay = mesh.layout
+    full = _inputs(length + TAIL, seed)
+    local = [torch.cat([lay.shard(t[:, :, :length], 2, mesh.index), t[:, :, length:]], 2).clone() for t in full]
+    q, k, v = (t.requires_grad_() for t in local[:3])
+    out = joint_sequence_parallel_attention(q, k, v, _tail_valid(), mesh=mesh, length=length)
+    # every rank holds the whole tail's output; its upstream gradient is shared out, as a loss made of
+    # per-rank shares would give it
+    dout = local[3].clone()
+    dout[:, :, -TAIL:] /= lay.sp
+    out.backward(dout)
+    n = out.shape[2] - TAIL
+    return [(t[:, :, :n].detach(), t[:, :, n:].detach().clone()) for t in (out, q.grad, k.grad, v.grad)]
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_attention_matches_single_process(world: int) -> None:
     results = run_workers(_run_cases, world)
-    assert len(results[0]) == len(_cases(world))
+    assert len(results[0]) == len(_cases(world)) + len(_joint_cases(world))
     for rank_results in results:
         for case, errs in rank_results:
             # float32: the split changes only the order of the softmax sums (LSE merges across blocks,

@@ -1,13 +1,15 @@
-"""Whole stages split over 2 and 4 gloo ranks against the unsplit stage: the Wan DiT (non-causal) and
-the multimodal LLM (causal): loss / outputs and every parameter's gradient, and the gradient of the
+"""Whole stages split over 2 and 4 gloo ranks against the unsplit stage: the Wan DiT (non-causal), the
+HunyuanVideo DiT (non-causal, joint text-video attention) and the multimodal LLM (causal): loss / outputs and every parameter's gradient, and the gradient of the
 replicated text context."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.distributed as dist
-from diffusers import WanTransformer3DModel
+from diffusers import HunyuanVideoTransformer3DModel, WanTransformer3DModel
 from torch.distributed.device_mesh import DeviceMesh
 from transformers import AutoModel, Qwen2Config
 from workers import run_workers
@@ -15,7 +17,7 @@ from workers import run_workers
 from mmpipe.parallel.sequence import SequenceMesh
 from mmpipe.runtime.reshard import Region
 from mmpipe.stages._source import ModuleSource
-from mmpipe.stages.dit import WanDiTFlowMatchingStage
+from mmpipe.stages.dit import FlowMatchingDiTStage, HunyuanVideoDiTFlowMatchingStage, WanDiTFlowMatchingStage
 from mmpipe.stages.multimodal import ImageTextLM, MultimodalLLMStage
 
 B, TEXT_LEN, TEXT_DIM = 2, 6, 16
@@ -40,16 +42,32 @@ def _wan_stage() -> WanDiTFlowMatchingStage:
     return WanDiTFlowMatchingStage("dit", ModuleSource.from_module(module), shift=3.0)
 
 
-def _wan_inputs(frames: int) -> dict[str, torch.Tensor]:
+def _hunyuan_stage() -> HunyuanVideoDiTFlowMatchingStage:
+    torch.manual_seed(0)
+    module = HunyuanVideoTransformer3DModel(
+        in_channels=4, out_channels=4, num_attention_heads=4, attention_head_dim=8, num_layers=1,
+        num_single_layers=1, num_refiner_layers=1, mlp_ratio=2.0, patch_size=2, patch_size_t=1,
+        qk_norm="rms_norm", guidance_embeds=False, text_embed_dim=TEXT_DIM, pooled_projection_dim=TEXT_DIM,
+        rope_axes_dim=(2, 2, 4),
+    )  # fmt: skip
+    return HunyuanVideoDiTFlowMatchingStage("dit", ModuleSource.from_module(module), shift=3.0)
+
+
+DIT_STAGES: dict[str, tuple[Callable[[], FlowMatchingDiTStage], int]] = {
+    "wan": (_wan_stage, 16),
+    "hunyuan": (_hunyuan_stage, 4),
+}  # builder, latent channels
+
+
+def _dit_inputs(kind: str, frames: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(1)
-    return {
-        "latents": torch.randn(B, 16, frames, 4, 6, generator=gen),
-        "context": torch.randn(B, TEXT_LEN, TEXT_DIM, generator=gen),
-    }
+    context = torch.randn(B, TEXT_LEN, TEXT_DIM, generator=gen)
+    context[0, 4:] = 0  # right padding, zeroed as the text stages do (HunyuanVideo masks those keys)
+    return {"latents": torch.randn(B, DIT_STAGES[kind][1], frames, 4, 6, generator=gen), "context": context}
 
 
-def _wan_grads(
-    stage: WanDiTFlowMatchingStage, inputs: dict[str, torch.Tensor], **options: object
+def _dit_grads(
+    stage: FlowMatchingDiTStage, inputs: dict[str, torch.Tensor], **options: object
 ) -> dict[str, torch.Tensor]:
     context = inputs["context"].clone().requires_grad_()
     loss = stage.forward(stage.module, {"latents": inputs["latents"], "context": context}, seed=7, **options)["loss"]
@@ -58,18 +76,18 @@ def _wan_grads(
     return {"loss": loss.detach(), "context": context.grad, **grads}
 
 
-def _wan_worker(rank: int, world: int, cases: list[tuple[int, int, int]]) -> list[dict[str, torch.Tensor]]:
+def _dit_worker(rank: int, world: int, kind: str, cases: list[tuple[int, int, int]]) -> list[dict[str, torch.Tensor]]:
     out = []
     for ulysses, ring, frames in cases:
-        stage = _wan_stage()
+        stage = DIT_STAGES[kind][0]()
         grid = torch.arange(world).view(ring, ulysses)
         mesh = SequenceMesh.from_device_mesh(DeviceMesh("cpu", grid, mesh_dim_names=("ring", "ulysses")), zigzag=False)
         stage.check_sequence_parallel(ulysses, ring)
         stage.parallelize_sequence(stage.module, mesh)
-        inputs = _wan_inputs(frames)
+        inputs = _dit_inputs(kind, frames)
         region = Region((0, B), 2, tuple(mesh.layout.ranges(frames, mesh.index)), frames)
         local = {"latents": mesh.layout.shard(inputs["latents"], 2, mesh.index), "context": inputs["context"]}
-        grads = _wan_grads(stage, local, shards={"latents": region})
+        grads = _dit_grads(stage, local, shards={"latents": region})
         for g in grads.values():  # each rank holds its tokens' share of every sum; the replica's total is exact
             dist.all_reduce(g)
         out.append(grads)
@@ -77,15 +95,16 @@ def _wan_worker(rank: int, world: int, cases: list[tuple[int, int, int]]) -> lis
 
 
 # (ulysses, ring, latent frames): 3 and 5 frames split unevenly over 2 and 4 ranks
-WAN_CASES = {2: [(2, 1, 3), (1, 2, 3), (2, 1, 4)], 4: [(2, 2, 5), (1, 4, 4)]}
+DIT_CASES = {2: [(2, 1, 3), (1, 2, 3), (2, 1, 4)], 4: [(2, 2, 5), (1, 4, 4)]}
 
 
+@pytest.mark.parametrize("kind", ["wan", "hunyuan"])
 @pytest.mark.parametrize("world", [2, 4])
-def test_wan_dit_matches_single_process(world: int) -> None:
-    cases = WAN_CASES[world]
-    results = run_workers(_wan_worker, world, cases)
+def test_dit_matches_single_process(world: int, kind: str) -> None:
+    cases = DIT_CASES[world]
+    results = run_workers(_dit_worker, world, kind, cases)
     for i, (ulysses, ring, frames) in enumerate(cases):
-        ref = _wan_grads(_wan_stage(), _wan_inputs(frames))
+        ref = _dit_grads(DIT_STAGES[kind][0](), _dit_inputs(kind, frames))
         for got in (r[i] for r in results):
             assert got.keys() == ref.keys()
             for k in ref:
@@ -93,7 +112,9 @@ def test_wan_dit_matches_single_process(world: int) -> None:
                 # plus an all-reduce, and attention's softmax through LSE merges; relative 1e-4 of the
                 # largest entry covers that reassociation (observed ~1e-6) while a dropped shard, token
                 # or head (errors of order the gradient itself) fails.
-                scale = float(ref[k].abs().max()) + 1e-12
+                # Gradients that are zero in exact arithmetic (a key bias under softmax) are float32
+                # noise (~1e-9) on both sides: the 1e-7 floor, far below every real gradient, covers them.
+                scale = float(ref[k].abs().max()) + 1e-3
                 err = float((got[k] - ref[k]).abs().max()) / scale
                 assert err < 1e-4, f"ulysses={ulysses} ring={ring} frames={frames} {k}: relative error {err:.2e}"
 
