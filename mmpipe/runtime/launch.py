@@ -62,7 +62,8 @@ def launch_local(cfg: RunConfig) -> None:
         elastic_launch(elastic, run)(to_dict(cfg))
     except ChildFailedError as err:
         recorded = _recorded_failure(Path(cfg.run_dir)) if cfg.run_dir else None
-        if recorded is not None:
+        killed = any(f.exitcode < 0 for f in err.failures.values())  # by a signal: it recorded nothing
+        if recorded is not None and not killed:
             raise WorkerFailure(f"training worker rank {recorded['rank']} failed: {recorded['message']}") from None
         rank, failure = err.get_first_failure()
         message = failure.message if isinstance(failure.message, str) else json.dumps(failure.message)
@@ -74,6 +75,10 @@ def launch_local(cfg: RunConfig) -> None:
             os.environ[_OWN_STORE] = saved
 
 
+# How gloo reports a peer that died (what every other rank sees once one rank fails).
+_LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Socket Timeout")
+
+
 def _recorded_failure(run_dir: Path) -> dict[str, Any] | None:
     """The error the workers recorded that caused the others: the earliest one that is not a lost
     connection to a peer (what every other rank reports once one rank dies); ``None`` when there
@@ -83,5 +88,5 @@ def _recorded_failure(run_dir: Path) -> dict[str, Any] | None:
         return None
     for p in (run_dir / "errors").glob("rank*.json"):
         p.unlink()  # a restarted or resumed run starts clean
-    causes = [r for r in records if "Connection closed by peer" not in r["message"]]
+    causes = [r for r in records if not any(m in r["message"] for m in _LOST_PEER)]
     return min(causes, key=lambda r: r["time"]) if causes else None  # else: killed, the agent knows how
