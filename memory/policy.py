@@ -1,0 +1,179 @@
+"""Per-block activation policies: keep, offload (saved tensors to a tier) or recompute.
+
+A block's policy wraps its ``forward`` (the module is not copied): ``recompute`` runs it under
+non-reentrant activation checkpointing (only the block's inputs stay; the block runs again in the
+backward), ``offload`` runs it under ``torch.autograd.graph.saved_tensors_hooks`` that move every
+saved tensor of at least ``min_bytes`` that is not a parameter to a tier and bring it back when the
+backward needs it. Both work with several micro-batches in flight: each saved tensor owns its
+handle, whatever the order the backwards run in.
+
+Tiers:
+
+- :class:`FileTier`: a spill directory (for NVMe, and on CPU-only machines the tier that actually
+  lowers resident memory). A tensor is written as raw bytes to its own file and read back, then the
+  file is deleted.
+
+Counters (:class:`TierStats`) report the bytes offloaded, the bytes currently out and the time spent
+writing and reading, for the run's events.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import itertools
+import os
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+class BlockPolicy(enum.StrEnum):
+    """What happens to the activations a block saves for its backward."""
+
+    KEEP = "keep"
+    OFFLOAD = "offload"
+    RECOMPUTE = "recompute"
+
+
+@dataclasses.dataclass
+class TierStats:
+    """What a tier moved: bytes written out in all, bytes out now (and at most), seconds spent."""
+
+    offloaded_bytes: int = 0
+    out_bytes: int = 0
+    peak_out_bytes: int = 0
+    write_s: float = 0.0
+    read_s: float = 0.0
+
+
+class FileTier:
+    """Saved tensors as raw bytes in files under ``directory`` (a fresh temporary one by default)."""
+
+    def __init__(self, directory: str | Path | None = None) -> None:
+        self._own = directory is None
+        self.directory = Path(tempfile.mkdtemp(prefix="mmpipe-spill-") if directory is None else directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.stats = TierStats()
+        self._ids = itertools.count()
+
+    def pack(self, t: torch.Tensor) -> tuple[Path, torch.Size, torch.dtype, torch.device]:
+        """Write ``t`` out; returns the handle :meth:`unpack` takes."""
+        start = time.perf_counter()
+        path = self.directory / f"{os.getpid()}-{next(self._ids)}.bin"
+        t.detach().contiguous().cpu().view(torch.uint8).numpy().tofile(path)
+        nbytes = t.numel() * t.element_size()
+        self.stats.offloaded_bytes += nbytes
+        self.stats.out_bytes += nbytes
+        self.stats.peak_out_bytes = max(self.stats.peak_out_bytes, self.stats.out_bytes)
+        self.stats.write_s += time.perf_counter() - start
+        return path, t.shape, t.dtype, t.device
+
+    def unpack(self, handle: tuple[Path, torch.Size, torch.dtype, torch.device]) -> torch.Tensor:
+        """Read a packed tensor back and delete its file."""
+        start = time.perf_counter()
+        path, shape, dtype, device = handle
+        nbytes = shape.numel() * torch.empty((), dtype=dtype).element_size()
+        raw = (
+            torch.from_file(str(path), size=nbytes, dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
+        )
+        path.unlink()
+        self.stats.out_bytes -= nbytes
+        self.stats.read_s += time.perf_counter() - start
+        return raw.view(dtype).view(shape).to(device)
+
+    def close(self) -> None:
+        """Remove the spill directory if this tier made it."""
+        if self._own:
+            for p in self.directory.glob("*.bin"):
+                p.unlink()
+            self.directory.rmdir()
+
+
+@contextmanager
+def offload_saved_tensors(tier: FileTier, *, min_bytes: int = 1 << 16) -> Iterator[None]:
+    """Within the block, tensors autograd saves move to ``tier``, except parameters (they stay
+    resident anyway) and tensors under ``min_bytes``."""
+
+    def pack(t: torch.Tensor) -> Any:
+        if isinstance(t, nn.Parameter) or t.numel() * t.element_size() < min_bytes:
+            return t
+        return tier, tier.pack(t)
+
+    def unpack(packed: Any) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            return packed
+        owner, handle = packed
+        return owner.unpack(handle)
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield
+
+
+def _offloaded(forward: Callable[..., Any], tier: FileTier, min_bytes: int) -> Callable[..., Any]:
+    @functools.wraps(forward)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with offload_saved_tensors(tier, min_bytes=min_bytes):
+            return forward(*args, **kwargs)
+
+    return run
+
+
+def _recomputed(forward: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(forward)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    return run
+
+
+def apply_block_policies(
+    blocks: Sequence[nn.Module],
+    policies: Sequence[BlockPolicy],
+    *,
+    tier: FileTier | None = None,
+    min_bytes: int = 1 << 16,
+) -> None:
+    """Wrap each block's ``forward`` with its policy (in place). ``offload`` needs a ``tier``."""
+    if len(blocks) != len(policies):
+        raise ValueError(f"{len(policies)} block policies given for {len(blocks)} blocks")
+    for block, policy in zip(blocks, policies, strict=True):
+        match policy:
+            case BlockPolicy.KEEP:
+                continue
+            case BlockPolicy.RECOMPUTE:
+                block.forward = _recomputed(block.forward)  # type: ignore[method-assign]
+            case BlockPolicy.OFFLOAD:
+                if tier is None:
+                    raise ValueError("an offload policy needs a tier (e.g. FileTier(spill_dir))")
+                block.forward = _offloaded(block.forward, tier, min_bytes)  # type: ignore[method-assign]
+            case _:
+                raise ValueError(f"unknown block policy {policy!r}")
+
+
+@contextmanager
+def count_saved_bytes() -> Iterator[list[int]]:
+    """Count the bytes autograd keeps resident for the backward within the block (tensors the
+    policies moved out or did not save are not counted). Yields a one-element list, filled on exit."""
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if not isinstance(t, nn.Parameter):
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
+        return t
+
+    total = [0]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield total
+    total[0] = sum(seen.values())
