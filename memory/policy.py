@@ -65,8 +65,8 @@ class FileTier:
         self.stats = TierStats()
         self._ids = itertools.count()
 
-    def pack(self, t: torch.Tensor) -> tuple[Path, torch.Size, torch.dtype, torch.device]:
-        """Write ``t`` out; returns the handle :meth:`unpack` takes."""
+    def pack(self, t: torch.Tensor) -> _Spilled:
+        """Write ``t`` out; returns the handle :meth:`unpack` takes (its file goes with it)."""
         start = time.perf_counter()
         path = self.directory / f"{os.getpid()}-{next(self._ids)}.bin"
         t.detach().contiguous().cpu().view(torch.uint8).numpy().tofile(path)
@@ -75,20 +75,18 @@ class FileTier:
         self.stats.out_bytes += nbytes
         self.stats.peak_out_bytes = max(self.stats.peak_out_bytes, self.stats.out_bytes)
         self.stats.write_s += time.perf_counter() - start
-        return path, t.shape, t.dtype, t.device
+        return _Spilled(self, path, t.shape, t.dtype, t.device, nbytes)
 
-    def unpack(self, handle: tuple[Path, torch.Size, torch.dtype, torch.device]) -> torch.Tensor:
-        """Read a packed tensor back and delete its file."""
+    def unpack(self, handle: _Spilled) -> torch.Tensor:
+        """Read a packed tensor back (its file is deleted with the handle)."""
         start = time.perf_counter()
-        path, shape, dtype, device = handle
-        nbytes = shape.numel() * torch.empty((), dtype=dtype).element_size()
         raw = (
-            torch.from_file(str(path), size=nbytes, dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
+            torch.from_file(str(handle.path), size=handle.nbytes, dtype=torch.uint8)
+            if handle.nbytes
+            else torch.empty(0, dtype=torch.uint8)
         )
-        path.unlink()
-        self.stats.out_bytes -= nbytes
         self.stats.read_s += time.perf_counter() - start
-        return raw.view(dtype).view(shape).to(device)
+        return raw.view(handle.dtype).view(handle.shape).to(handle.device)
 
     def close(self) -> None:
         """Remove the spill directory if this tier made it."""
@@ -96,6 +94,27 @@ class FileTier:
             for p in self.directory.glob("*.bin"):
                 p.unlink()
             self.directory.rmdir()
+
+
+class _Spilled:
+    """A saved tensor in a file. The file lives as long as the handle: autograd drops the handle
+    after the backward that read it, or with a graph whose backward never ran."""
+
+    def __init__(
+        self, tier: FileTier, path: Path, shape: torch.Size, dtype: torch.dtype, device: torch.device, nbytes: int
+    ) -> None:
+        self.tier, self.path, self.shape, self.dtype, self.device, self.nbytes = (
+            tier,
+            path,
+            shape,
+            dtype,
+            device,
+            nbytes,
+        )
+
+    def __del__(self) -> None:
+        self.path.unlink(missing_ok=True)
+        self.tier.stats.out_bytes -= self.nbytes
 
 
 @contextmanager
@@ -106,13 +125,10 @@ def offload_saved_tensors(tier: FileTier, *, min_bytes: int = 1 << 16) -> Iterat
     def pack(t: torch.Tensor) -> Any:
         if isinstance(t, nn.Parameter) or t.numel() * t.element_size() < min_bytes:
             return t
-        return tier, tier.pack(t)
+        return tier.pack(t)
 
     def unpack(packed: Any) -> torch.Tensor:
-        if isinstance(packed, torch.Tensor):
-            return packed
-        owner, handle = packed
-        return owner.unpack(handle)
+        return packed if isinstance(packed, torch.Tensor) else tier.unpack(packed)
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         yield
@@ -135,6 +151,16 @@ def _recomputed(forward: Callable[..., Any]) -> Callable[..., Any]:
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
     return run
+
+
+def block_policies(blocks: int, recompute: float, offload: float) -> list[BlockPolicy]:
+    """The policies a plan's fractions mean (``DeviceGroup.recompute`` / ``.offload``): ``recompute``
+    of the blocks recomputed, ``offload`` of the rest offloaded. Offloaded blocks come first: their
+    backward runs last, so their tensors have the longest to come back."""
+    n_recompute = round(recompute * blocks)
+    n_offload = round(offload * (blocks - n_recompute))
+    keep = blocks - n_recompute - n_offload
+    return [BlockPolicy.OFFLOAD] * n_offload + [BlockPolicy.RECOMPUTE] * n_recompute + [BlockPolicy.KEEP] * keep
 
 
 def apply_block_policies(

@@ -88,8 +88,8 @@ def plan_from_config(cfg: PlanConfig) -> tuple[Graph, PlanReport]:
 
 
 def runtime_limits(cluster: Cluster) -> dict[str, Any]:
-    """What today's runtime can execute on ``cluster``: the runtime applies no activation
-    recompute / offload yet, so local (CPU) plans do without them."""
+    """Limits of local (CPU) plans: the runtime offloads to a file tier there, which the planner's
+    offload model (host-link bandwidth) does not price yet, so local plans use no memory policy."""
     if cluster.device == "cpu":
         return {"memory_policies": False}
     return {}

@@ -185,17 +185,7 @@ def check_placement(cfg: RunConfig) -> None:
         bad = [r for r in group.ranks if not 0 <= r < cfg.launch.nproc]
         if bad:
             raise PlanError(f"placement.{stage}: ranks {bad} outside launch.nproc={cfg.launch.nproc}")
-        check_runtime_support(stage, group)
     check_frames(apply_parallel(placement, cfg.parallel), cfg)
-
-
-def check_runtime_support(stage: str, group: DeviceGroup) -> None:
-    """Activation recompute / offload are planned but not executed by the runtime yet."""
-    if group.recompute or group.offload:
-        raise PlanError(
-            f"placement.{stage}: recompute={group.recompute} offload={group.offload}: the runtime does not "
-            "apply activation memory policies yet; use 0"
-        )
 
 
 def auto_placement(graph: Graph, cfg: RunConfig) -> dict[str, Any]:
@@ -248,11 +238,16 @@ def apply_parallel(
     return out
 
 
-def check_sequence_parallel(graph: Graph, placement: dict[str, DeviceGroup], cfg: RunConfig) -> None:
-    """Each split stage can take its degrees (capabilities, head counts) and has a token share on every rank."""
+def check_stage_support(graph: Graph, placement: dict[str, DeviceGroup], cfg: RunConfig) -> None:
+    """Each stage can take its placement: sequence-parallel degrees (capabilities, head counts, a
+    token share on every rank) and activation offload."""
     for stage, group in placement.items():
         if group.sp > 1:
             graph.stages[stage].check_sequence_parallel(group.ulysses, group.ring)
+        if group.offload and not graph.stages[stage].capabilities.offload:
+            raise PlanError(
+                f"placement.{stage}: offload={group.offload}, but stage {stage!r} cannot offload activations"
+            )
     check_frames(placement, cfg)
 
 
@@ -275,7 +270,7 @@ def make_plans(graph: Graph, cfg: RunConfig) -> tuple[Plan, Plan]:
         raise PlanError("placement=auto must be resolved (mmpipe.train.auto_placement) before plans are made")
     placement = parse_placement(cfg.placement) if cfg.placement else default_placement(graph, world)
     placement = apply_parallel(placement, cfg.parallel)
-    check_sequence_parallel(graph, placement, cfg)
+    check_stage_support(graph, placement, cfg)
     kind = ScheduleKind(cfg.train.schedule)
     n_micro = cfg.train.micro_batches
     size = cfg.train.batch_size // n_micro
@@ -347,7 +342,14 @@ class _Loop:
         self.mesh = MeshOwner(self.train_plan, rank, world_size)
         self.micro_size = cfg.train.batch_size // cfg.train.micro_batches
         self.events = EventRecorder(self.run_dir, rank)
-        self.executor = Executor(graph, self.train_plan, self.mesh, batch_size=self.micro_size, events=self.events)
+        self.executor = Executor(
+            graph,
+            self.train_plan,
+            self.mesh,
+            batch_size=self.micro_size,
+            events=self.events,
+            spill_dir=self.run_dir / "spill",
+        )
         self.executor.optimizers = {s: self._optim(s) for s in self.executor.local if s in self.train_plan.trainable}
         for s in self.executor.optimizers:
             self.executor.modules[s].train()
@@ -401,9 +403,12 @@ class _Loop:
             self.executor.optimizers[s].lr_scheduler.get_last_lr()[0] if own else 0.0
             for s, own in zip(self.trainable, owned, strict=True)
         ]
-        vec = self.reduce(torch.tensor([0.0, *norms, *lrs], dtype=torch.float64), group)
+        spilled = float(self.executor.spill.stats.offloaded_bytes) if self.executor.spill is not None else 0.0
+        vec = self.reduce(torch.tensor([spilled, *norms, *lrs], dtype=torch.float64), group)
         loss = self.reduce(out["loss"].reshape(1), group)  # float32, summed exactly as a single rank would
         record: dict[str, Any] = {"step": step + 1, "loss": loss.item()}
+        if vec[0] > 0:  # activations offloaded so far (all ranks), by the file tier
+            record["offloaded_bytes"] = int(vec[0])
         k = len(self.trainable)
         for s, norm, lr in zip(self.trainable, vec[1 : 1 + k].tolist(), vec[1 + k :].tolist(), strict=True):
             suffix = "" if k == 1 else f"/{s}"

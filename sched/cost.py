@@ -164,7 +164,7 @@ def _measure(
     if stage.frozen:
         module.requires_grad_(False)
     params = {id(p) for p in module.parameters()}
-    blocks = _repeated_blocks(module)
+    blocks = repeated_blocks(module)
     tracker = _BlockTracker(blocks, params)
     counter = FlopCounterMode(display=False)
     with contextlib.ExitStack() as stack:
@@ -203,7 +203,7 @@ def _measure(
     return cost, {k: v.detach() for k, v in tensors.items()}
 
 
-def _repeated_blocks(module: nn.Module) -> list[nn.Module]:
+def repeated_blocks(module: nn.Module) -> list[nn.Module]:
     """Members of the module's ``ModuleList``s of two or more same-class modules (outermost lists)."""
     found: list[nn.Module] = []
     inside: set[int] = set()

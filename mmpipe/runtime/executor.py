@@ -18,6 +18,7 @@ import dataclasses
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,11 +27,13 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from mmpipe.graph import INPUT, Edge, Graph
+from mmpipe.memory.policy import BlockPolicy, FileTier, apply_block_policies, block_policies
 from mmpipe.parallel.sequence import SequenceLayout
 from mmpipe.runtime.events import EventRecorder
 from mmpipe.runtime.mesh import MeshOwner
 from mmpipe.runtime.reshard import Region
 from mmpipe.runtime.transport import isend_tensors, nbytes, recv_tensors
+from mmpipe.sched.cost import repeated_blocks
 from mmpipe.sched.plan import Action, ActionKind, Plan, PlanError, check_split, overlapping_ranks, send_window
 
 BatchFn = Callable[[int], dict[str, torch.Tensor]]  # micro-batch index -> full micro-batch graph inputs
@@ -62,8 +65,11 @@ class Executor:
         batch_size: int,
         events: EventRecorder | None = None,
         max_inflight_sends: int | None = None,
+        spill_dir: Path | None = None,
     ) -> None:
         self.graph, self.plan, self.mesh, self.rank = graph, plan, mesh, mesh.rank
+        self.spill_dir = spill_dir  # where offloaded activations go (a file tier per rank)
+        self.spill: FileTier | None = None
         self.groups = plan.groups
         self.batch_size = batch_size
         self.events = events
@@ -94,12 +100,34 @@ class Executor:
         if group.sp > 1:
             st.check_sequence_parallel(group.ulysses, group.ring)
             st.parallelize_sequence(module, self.mesh.sequence_mesh(stage, zigzag=st.sequence_causal))
+        if group.recompute or group.offload:
+            self._apply_memory_policy(stage, module)
         mesh = self.mesh.fsdp_mesh(stage)
         if mesh is not None and not st.frozen:
             # FSDP2 averages gradients over the group (gloo has no pre-scaled sum); _backward
             # seeds each rank's backward (group size) times its share so that the average is the sum.
             fully_shard(module, mesh=mesh)
         return module
+
+    def _apply_memory_policy(self, stage: str, module: nn.Module) -> None:
+        """The group's recompute / offload fractions of the stage's repeated blocks (see
+        ``mmpipe.memory.policy.block_policies``), offloading to this rank's spill directory."""
+        group = self.groups[stage]
+        blocks = repeated_blocks(module)
+        if not blocks:
+            raise PlanError(f"stage {stage!r}: recompute / offload need repeated blocks, and its module has none")
+        policies = block_policies(len(blocks), group.recompute, group.offload)
+        tier = None
+        if BlockPolicy.OFFLOAD in policies:
+            if any(p.is_cuda for p in module.parameters()):
+                raise PlanError(f"stage {stage!r}: offload to pinned host memory (the GPU tier) is not built yet")
+            tier = self._spill_tier()
+        apply_block_policies(blocks, policies, tier=tier)
+
+    def _spill_tier(self) -> FileTier:
+        if self.spill is None:
+            self.spill = FileTier(self.spill_dir / f"rank{self.rank}" if self.spill_dir is not None else None)
+        return self.spill
 
     # ---- who holds and who needs which part of an edge tensor ------------------------------------
     def _layout(self, stage: str) -> SequenceLayout:
@@ -195,7 +223,9 @@ class Executor:
     # ---- compute --------------------------------------------------------------------------------
     def _forward(self, stage: str, mb: int, st: _StepState, batch_fn: BatchFn, options_fn: OptionsFn) -> None:
         lo, hi = self.rows(stage)
-        wants_grad = stage in self.plan.backward
+        # Build an autograd graph only when this pass runs the stage's backward (not in a forward-only
+        # pass, e.g. validation, over the same executor).
+        wants_grad = stage in self.plan.backward and stage in st.last_backward
         inputs: dict[str, torch.Tensor] = {}
         options = options_fn(stage, mb, (lo, hi, self.batch_size))
         shards: dict[str, Region] = {}
