@@ -108,10 +108,16 @@ def _quiet() -> Iterator[None]:
 
 
 def measure_stage_cost(
-    stage: Stage, inputs: Mapping[str, ShapeDtype], *, backward: bool | None = None, **options: Any
+    stage: Stage,
+    inputs: Mapping[str, ShapeDtype],
+    *,
+    backward: bool | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    **options: Any,
 ) -> StageCost:
-    """Cost of ``stage`` on inputs of the given ``(shape, dtype)`` (batch = the shapes' first dim)."""
-    cost, _ = _measure(stage, {k: _meta_tensor(s, d) for k, (s, d) in inputs.items()}, backward, options)
+    """Cost of ``stage`` on inputs of the given ``(shape, dtype)`` (batch = the shapes' first dim),
+    its module's parameters in ``dtype``."""
+    cost, _ = _measure(stage, {k: _meta_tensor(s, d) for k, (s, d) in inputs.items()}, backward, options, dtype)
     return cost
 
 
@@ -157,10 +163,14 @@ def measure_graph_costs(
 
 
 def _measure(
-    stage: Stage, inputs: dict[str, torch.Tensor], backward: bool | None, options: Mapping[str, Any]
+    stage: Stage,
+    inputs: dict[str, torch.Tensor],
+    backward: bool | None,
+    options: Mapping[str, Any],
+    dtype: torch.dtype = torch.bfloat16,
 ) -> tuple[StageCost, dict[str, torch.Tensor]]:
     backward = (not stage.frozen) if backward is None else backward
-    module = build_meta_module(stage)
+    module = build_meta_module(stage, dtype)
     if stage.frozen:
         module.requires_grad_(False)
     params = {id(p) for p in module.parameters()}

@@ -1,0 +1,63 @@
+"""The activation budget planner: the cheapest per-block policy that fits, counted for several
+micro-batches in flight; its choice fits in the estimator and in a real run of the Wan DiT stage."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_memory_policy import _inputs, _stage
+
+from mmpipe.memory.budget import choose_policies, resident_bytes
+from mmpipe.memory.policy import FileTier, apply_block_policies, count_saved_bytes
+from mmpipe.sched.cost import StageCost, measure_stage_cost
+
+
+def _cost(**kw: float) -> StageCost:
+    base = dict(
+        forward_flops=1e12, backward_flops=2e12, attention_flops=0.0, params=0, output_bytes=0,
+        activation_bytes=1100, block_flops=1e12, block_activation_bytes=1000, block_input_bytes=100,
+        blocks=10, tokens=1, hidden=1, heads=1,
+    )  # fmt: skip
+    base.update(kw)
+    return StageCost(**base)  # type: ignore[arg-type]
+
+
+def test_keeps_everything_when_it_fits_and_counts_micro_batches_in_flight() -> None:
+    cost = _cost()
+    assert resident_bytes(cost, 0, 0, inflight=3) == 3 * 1100
+    choice = choose_policies(cost, budget_bytes=3300, inflight=3, flops_per_s=1e12, offload_bytes_per_s=1e3)
+    assert (choice.recompute, choice.offload, choice.added_s) == (0, 0, 0.0)
+    tighter = choose_policies(cost, budget_bytes=3000, inflight=3, flops_per_s=1e12, offload_bytes_per_s=1e3)
+    assert tighter.resident_bytes <= 3000 and tighter.recompute + tighter.offload >= 1
+
+
+def test_picks_the_cheaper_mechanism() -> None:
+    cost = _cost()
+    # recompute: 0.1 s a block; offload: 2 x 100 bytes at 1 kB/s = 0.2 s a block -> recompute
+    slow_disk = choose_policies(cost, budget_bytes=700, inflight=1, flops_per_s=1e12, offload_bytes_per_s=1e3)
+    assert slow_disk.offload == 0 and slow_disk.recompute > 0
+    # offload at 1 MB/s: 0.0002 s a block -> offload
+    fast_disk = choose_policies(cost, budget_bytes=700, inflight=1, flops_per_s=1e12, offload_bytes_per_s=1e6)
+    assert fast_disk.recompute == 0 and fast_disk.offload > 0
+    for c in (slow_disk, fast_disk):
+        assert c.resident_bytes <= 700 and len(c.policies()) == 10
+
+
+def test_nothing_fits_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match=r"no activation policy fits a budget of .* GiB: at least"):
+        choose_policies(_cost(), budget_bytes=50, inflight=2, flops_per_s=1e12, offload_bytes_per_s=1e6)
+
+
+def test_choice_fits_in_the_estimator_and_in_a_real_run(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    stage = _stage()
+    shapes = {k: (tuple(v.shape), v.dtype) for k, v in _inputs().items()}
+    cost = measure_stage_cost(stage, shapes, dtype=torch.float32, seed=3)
+    keep = resident_bytes(cost, 0, 0, inflight=1)
+    budget = int(0.6 * keep)
+    choice = choose_policies(cost, budget_bytes=budget, inflight=1, flops_per_s=1e10, offload_bytes_per_s=1e9)
+    assert choice.resident_bytes <= budget and choice.offload + choice.recompute > 0
+    apply_block_policies(list(stage.module.blocks), choice.policies(), tier=FileTier(tmp_path), min_bytes=0)  # type: ignore[union-attr]
+    with count_saved_bytes() as held:
+        loss = stage.forward(stage.module, _inputs(), seed=3)["loss"]
+    loss.backward()
+    assert held[0] <= budget, (held[0], choice)
