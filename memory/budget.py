@@ -21,6 +21,9 @@ import dataclasses
 from mmpipe.memory.policy import BlockPolicy
 from mmpipe.sched.cost import StageCost
 
+# What the file tier is priced at: the order of a local NVMe's sequential write/read bandwidth.
+FILE_TIER_BYTES_PER_S = 1e9
+
 
 @dataclasses.dataclass(frozen=True)
 class PolicyChoice:

@@ -152,6 +152,23 @@ class StageParallelConfig:
 
 
 @dataclasses.dataclass(kw_only=True)
+class StageMemoryConfig:
+    """Activation policy of one stage's repeated blocks (``memory.dit.policy=auto memory.dit.budget_gb=60``):
+    ``keep`` everything, ``recompute`` or ``offload`` (to a spill directory) every block, or ``auto``:
+    the cheapest mix whose saved activations, with the micro-batches 1F1B keeps in flight, fit
+    ``budget_gb`` per rank."""
+
+    policy: Literal["keep", "recompute", "offload", "auto"] = "keep"
+    budget_gb: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.policy == "auto" and (self.budget_gb is None or self.budget_gb <= 0):
+            raise ValueError(f"memory.<stage>.policy=auto needs a positive budget_gb, got {self.budget_gb}")
+        if self.policy != "auto" and self.budget_gb is not None:
+            raise ValueError(f"memory.<stage>.budget_gb={self.budget_gb} is only used with policy=auto")
+
+
+@dataclasses.dataclass(kw_only=True)
 class RunConfig:
     """Root config of ``mmpipe train``."""
 
@@ -166,6 +183,10 @@ class RunConfig:
     # stage -> sequence parallelism, applied to the stage's placed ranks (dp = ranks / (ulysses x ring))
     parallel: dict[str, StageParallelConfig] = dataclasses.field(
         default_factory=lambda: {"dit": StageParallelConfig(), "llm": StageParallelConfig()}
+    )
+    # stage -> activation policy of its blocks, e.g. memory.dit.policy=auto memory.dit.budget_gb=60
+    memory: dict[str, StageMemoryConfig] = dataclasses.field(
+        default_factory=lambda: {"dit": StageMemoryConfig(), "llm": StageMemoryConfig()}
     )
 
     def __post_init__(self) -> None:

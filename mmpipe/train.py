@@ -36,7 +36,7 @@ from mmpipe.presets import VISION_IMAGE_SIZE, save_tiny_u2g_pipeline, save_tiny_
 from mmpipe.runtime.events import EventRecorder
 from mmpipe.runtime.executor import Executor, OptionsFn, StageOptim
 from mmpipe.runtime.mesh import MeshOwner
-from mmpipe.sched.plan import DeviceGroup, Plan, PlanError, parse_placement
+from mmpipe.sched.plan import ActionKind, DeviceGroup, Plan, PlanError, parse_placement
 from mmpipe.sched.schedule import ScheduleKind, build_plan
 from mmpipe.stages.text import tokenize
 
@@ -263,6 +263,85 @@ def check_frames(placement: dict[str, DeviceGroup], cfg: RunConfig) -> None:
             )
 
 
+def apply_memory(graph: Graph, placement: dict[str, DeviceGroup], plan: Plan, cfg: RunConfig) -> dict[str, DeviceGroup]:
+    """``placement`` with each stage's ``memory.<stage>`` policy as recompute / offload fractions."""
+    out = dict(placement)
+    for stage, m in cfg.memory.items():
+        if m.policy == "keep":
+            continue
+        if stage not in placement:
+            raise PlanError(f"memory.{stage}: no stage {stage!r} in this graph; stages: {sorted(placement)}")
+        group = placement[stage]
+        if group.recompute or group.offload:
+            raise PlanError(
+                f"memory.{stage}.policy={m.policy} contradicts placement.{stage} "
+                f"(recompute={group.recompute} offload={group.offload})"
+            )
+        if m.policy != "recompute" and not graph.stages[stage].capabilities.offload:
+            raise PlanError(f"memory.{stage}.policy={m.policy}: stage {stage!r} cannot offload activations")
+        match m.policy:
+            case "recompute":
+                recompute, offload = 1.0, 0.0
+            case "offload":
+                recompute, offload = 0.0, 1.0
+            case "auto":
+                assert m.budget_gb is not None
+                recompute, offload = auto_memory(graph, stage, group, plan, cfg, int(m.budget_gb * 2**30))
+        out[stage] = dataclasses.replace(group, recompute=recompute, offload=offload)
+    return out
+
+
+def auto_memory(
+    graph: Graph, stage: str, group: DeviceGroup, plan: Plan, cfg: RunConfig, budget: int
+) -> tuple[float, float]:
+    """The budget planner's fractions for ``stage`` on one of its ranks: its cost measured on the meta
+    device for this run's shapes, the micro-batches the schedule keeps in flight on that rank, and
+    its parameters, gradients and Adam moments (16 bytes a parameter, sharded over the group)."""
+    from mmpipe.memory.budget import FILE_TIER_BYTES_PER_S, choose_policies
+    from mmpipe.sched.cluster import Cluster
+    from mmpipe.sched.cost import measure_graph_costs
+    from mmpipe.workloads import sample_inputs
+
+    data = cfg.data
+    dtype = torch.bfloat16 if cfg.train.bf16 else torch.float32
+    shapes = sample_inputs(graph, cfg.model.text_len, data.frames, data.height, data.width)
+    per_sample = measure_graph_costs(graph, shapes, dtype=dtype)[stage]
+    rows = (cfg.train.batch_size // cfg.train.micro_batches) / group.dp / group.sp  # samples' worth per rank
+    cost = dataclasses.replace(
+        per_sample,
+        activation_bytes=int(per_sample.activation_bytes * rows),
+        block_activation_bytes=int(per_sample.block_activation_bytes * rows),
+        block_input_bytes=int(per_sample.block_input_bytes * rows),
+        block_flops=per_sample.block_flops * rows,
+    )
+    cluster = Cluster.local(cfg.launch.nproc)
+    fixed = 16 * per_sample.params // len(group.ranks) if stage in plan.trainable else 0
+    try:
+        choice = choose_policies(
+            cost,
+            budget_bytes=budget,
+            inflight=inflight_micro_batches(plan, stage),
+            flops_per_s=cluster.peak_flops * cluster.efficiency,
+            offload_bytes_per_s=FILE_TIER_BYTES_PER_S,
+            fixed_bytes=fixed,
+        )
+    except ValueError as err:
+        raise PlanError(f"memory.{stage}.budget_gb={budget / 2**30:g}: {err}") from None
+    logger.info("memory.%s: %d of %d blocks recomputed, %d offloaded (%.2f GiB a rank)", stage,
+                choice.recompute, choice.blocks, choice.offload, choice.resident_bytes / 2**30)  # fmt: skip
+    return choice.fractions
+
+
+def inflight_micro_batches(plan: Plan, stage: str) -> int:
+    """The most forwards of ``stage`` whose backward has not run yet, on its first rank's action list."""
+    live = peak = 0
+    for a in plan.actions[plan.groups[stage].ranks[0]]:
+        if a.stage == stage and a.kind in (ActionKind.F, ActionKind.B):
+            live += 1 if a.kind == ActionKind.F else -1
+            peak = max(peak, live)
+    return max(peak, 1)
+
+
 def make_plans(graph: Graph, cfg: RunConfig) -> tuple[Plan, Plan]:
     """(training plan, forward-only validation plan) of ``graph`` under the configured placement."""
     world = cfg.launch.nproc
@@ -275,6 +354,9 @@ def make_plans(graph: Graph, cfg: RunConfig) -> tuple[Plan, Plan]:
     n_micro = cfg.train.micro_batches
     size = cfg.train.batch_size // n_micro
     train_plan = build_plan(graph, placement, n_micro, world_size=world, schedule=kind, batch=size)
+    if any(m.policy != "keep" for m in cfg.memory.values()):  # memory policies do not change the actions
+        placement = apply_memory(graph, placement, train_plan, cfg)
+        train_plan = build_plan(graph, placement, n_micro, world_size=world, schedule=kind, batch=size)
     val_plan = build_plan(graph, placement, n_micro, world_size=world, schedule=kind, train=False, batch=size)
     return train_plan, val_plan
 

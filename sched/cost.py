@@ -127,6 +127,7 @@ def measure_graph_costs(
     *,
     backward: frozenset[str] | None = None,
     cache: bool = True,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> dict[str, StageCost]:
     """Per-sample cost of every stage of ``graph``, given the graph inputs' per-sample shapes
     (``{"video": ((1, 3, 81, 720, 1280), torch.float32), ...}``; batch 1).
@@ -149,13 +150,13 @@ def measure_graph_costs(
                 feed[e.dst_port] = values[e.src][e.src_port]
             elif stage.inputs[e.dst_port].required:
                 raise ValueError(f"cannot cost stage {name!r}: input {e.dst_port!r} needs {e}, which is not given")
-        key = _cache_key(stage, feed, name in backward) if cache else None
+        key = _cache_key(stage, feed, name in backward, dtype) if cache else None
         hit = _cache_get(key) if key else None
         if hit is not None:
             costs[name], shapes = hit
             values[name] = {k: _meta_tensor(s, d) for k, (s, d) in shapes.items()}
             continue
-        costs[name], out = _measure(stage, feed, name in backward, {"seed": 0})
+        costs[name], out = _measure(stage, feed, name in backward, {"seed": 0}, dtype)
         values[name] = out
         if key:
             _cache_put(key, costs[name], {k: (tuple(v.shape), v.dtype) for k, v in out.items()})
@@ -345,7 +346,7 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("MMPIPE_CACHE", Path.home() / ".cache" / "mmpipe")) / "costs"
 
 
-def _cache_key(stage: Stage, feed: Mapping[str, torch.Tensor], backward: bool) -> str | None:
+def _cache_key(stage: Stage, feed: Mapping[str, torch.Tensor], backward: bool, dtype: torch.dtype) -> str | None:
     import diffusers
     import transformers
 
@@ -363,6 +364,7 @@ def _cache_key(stage: Stage, feed: Mapping[str, torch.Tensor], backward: bool) -
             "config": cfg_dict,
             "inputs": {k: [list(t.shape), str(t.dtype)] for k, t in sorted(feed.items())},
             "backward": backward,
+            "dtype": str(dtype),
             "versions": [torch.__version__, diffusers.__version__, transformers.__version__],
         },
         sort_keys=True,

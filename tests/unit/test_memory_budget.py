@@ -61,3 +61,40 @@ def test_choice_fits_in_the_estimator_and_in_a_real_run(tmp_path) -> None:  # ty
         loss = stage.forward(stage.module, _inputs(), seed=3)["loss"]
     loss.backward()
     assert held[0] <= budget, (held[0], choice)
+
+
+def _run_config(tmp_path, gb: float):  # type: ignore[no-untyped-def]
+    from mmpipe.config import DataConfig, LaunchConfig, RunConfig, StageMemoryConfig, TrainConfig
+
+    return RunConfig(
+        run_dir=str(tmp_path / "run"),
+        data=DataConfig(frames=17, height=64, width=64, num_samples=32, val_samples=8),
+        train=TrainConfig(steps=2, batch_size=8, micro_batches=4, progress=False, threads=1),
+        launch=LaunchConfig(nproc=2),
+        placement={"text": [0], "vae": [0], "dit": [1]},
+        memory={"dit": StageMemoryConfig(policy="auto", budget_gb=gb)},
+    )
+
+
+def test_memory_auto_in_a_run_config_sets_the_plans_fractions(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from mmpipe.sched.plan import PlanError
+    from mmpipe.train import make_plans, prepare_run
+
+    _, graph = prepare_run(_run_config(tmp_path, 1.0))
+    roomy, _ = make_plans(graph, _run_config(tmp_path, 1.0))
+    assert roomy.groups["dit"].recompute == roomy.groups["dit"].offload == 0  # everything fits: keep
+    # ~0.07 GiB of parameters, gradients and Adam moments plus ~0.02 GiB of activations
+    tight, _ = make_plans(graph, _run_config(tmp_path, 0.08))
+    assert tight.groups["dit"].recompute + tight.groups["dit"].offload > 0
+    assert tight.actions == roomy.actions  # policies change no action
+    with pytest.raises(PlanError, match=r"memory.dit.budget_gb=0.05: no activation policy fits"):
+        make_plans(graph, _run_config(tmp_path, 0.05))
+
+
+def test_memory_config_errors_name_the_values() -> None:
+    from mmpipe.config import StageMemoryConfig
+
+    with pytest.raises(ValueError, match="policy=auto needs a positive budget_gb"):
+        StageMemoryConfig(policy="auto")
+    with pytest.raises(ValueError, match="budget_gb=3.0 is only used with policy=auto"):
+        StageMemoryConfig(policy="keep", budget_gb=3.0)
