@@ -2,7 +2,8 @@
 
 A block's policy wraps its ``forward`` (the module is not copied): ``recompute`` runs it under
 non-reentrant activation checkpointing (only the block's inputs stay; the block runs again in the
-backward), ``offload`` runs it under ``torch.autograd.graph.saved_tensors_hooks`` that move every
+backward), ``selective`` the same but keeping the outputs of matmuls and attention (per-op
+checkpointing: only the cheap element-wise ops run again), ``offload`` runs it under ``torch.autograd.graph.saved_tensors_hooks`` that move every
 saved tensor of at least ``min_bytes`` that is not a parameter to a tier and bring it back when the
 backward needs it. Both work with several micro-batches in flight: each saved tensor owns its
 handle, whatever the order the backwards run in.
@@ -33,7 +34,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 
 class BlockPolicy(enum.StrEnum):
@@ -42,6 +43,7 @@ class BlockPolicy(enum.StrEnum):
     KEEP = "keep"
     OFFLOAD = "offload"
     RECOMPUTE = "recompute"
+    SELECTIVE = "selective"  # recompute the cheap ops, keep the outputs of matmuls and attention
 
 
 @dataclasses.dataclass
@@ -143,11 +145,30 @@ def _offloaded(forward: Callable[..., Any], tier: FileTier, min_bytes: int) -> C
     return run
 
 
-def _recomputed(forward: Callable[..., Any]) -> Callable[..., Any]:
+# Ops whose outputs selective checkpointing keeps: the expensive ones (FLOPs grow with the hidden
+# size or the sequence), as torchtitan's selective activation checkpointing does.
+_KEEP_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+}
+
+
+def _keep_expensive(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _KEEP_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _recomputed(forward: Callable[..., Any], *, selective: bool = False) -> Callable[..., Any]:
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
+        if selective:
+            contexts = functools.partial(create_selective_checkpoint_contexts, _keep_expensive)
+            return checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
     return run
@@ -179,6 +200,8 @@ def apply_block_policies(
                 continue
             case BlockPolicy.RECOMPUTE:
                 block.forward = _recomputed(block.forward)  # type: ignore[method-assign]
+            case BlockPolicy.SELECTIVE:
+                block.forward = _recomputed(block.forward, selective=True)  # type: ignore[method-assign]
             case BlockPolicy.OFFLOAD:
                 if tier is None:
                     raise ValueError("an offload policy needs a tier (e.g. FileTier(spill_dir))")

@@ -43,7 +43,8 @@ def _grads(stage: WanDiTFlowMatchingStage) -> dict[str, torch.Tensor]:
 POLICIES = {
     "offload": [BlockPolicy.OFFLOAD] * LAYERS,
     "recompute": [BlockPolicy.RECOMPUTE] * LAYERS,
-    "mixed": [BlockPolicy.OFFLOAD, BlockPolicy.RECOMPUTE, BlockPolicy.KEEP, BlockPolicy.OFFLOAD],
+    "selective": [BlockPolicy.SELECTIVE] * LAYERS,
+    "mixed": [BlockPolicy.OFFLOAD, BlockPolicy.RECOMPUTE, BlockPolicy.KEEP, BlockPolicy.SELECTIVE],
 }
 
 
@@ -104,6 +105,22 @@ def test_resident_saved_bytes_drop_by_what_offloaded_blocks_alone_saved(tmp_path
     # recomputed blocks keep (about) their inputs only
     outside = sum(n for n, who in savers.values() if None in who)
     assert outside <= resident([BlockPolicy.RECOMPUTE] * LAYERS) < keep / 2
+
+
+def test_selective_checkpointing_recomputes_no_matmul(tmp_path: Path) -> None:
+    """Counted, not timed: a step's FLOPs (matmuls and attention) with full recompute exceed keeping
+    everything by the blocks' forward; selective recompute keeps those outputs and adds none."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def flops(policy: BlockPolicy) -> int:
+        stage = _stage()
+        apply_block_policies(list(stage.module.blocks), [policy] * LAYERS)  # type: ignore[union-attr]
+        with FlopCounterMode(display=False) as counter:
+            stage.forward(stage.module, _inputs(), seed=3)["loss"].backward()
+        return counter.get_total_flops()
+
+    keep = flops(BlockPolicy.KEEP)
+    assert flops(BlockPolicy.SELECTIVE) == keep < flops(BlockPolicy.RECOMPUTE)
 
 
 def test_bad_policies_are_clear_errors() -> None:
