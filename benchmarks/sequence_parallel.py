@@ -71,7 +71,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import DeviceMesh
 
-from mmpipe.parallel.attention import local_attention, select_backend
+from mmpipe.parallel.attention import attention_backward, attention_with_lse, local_attention, select_backend
 from mmpipe.parallel.sequence import SequenceMesh, sequence_parallel_attention
 
 YUNCHANG_INSTALL = "pip install --no-deps yunchang"
@@ -180,6 +180,9 @@ def import_yunchang() -> tuple[Any, str | None]:
     return yunchang, None
 
 
+_ATEN = select_backend("torch")  # the kernel mmpipe runs on CPU: ATen's fused flash attention
+
+
 def _aten_cpu_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -192,9 +195,11 @@ def _aten_cpu_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """yunchang's ``fwd-only`` kernel contract (``B, S, H, D`` in and out, LSE ``B, H, S``) on ATen's CPU flash kernel."""
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p, causal, scale=scale
-    )[:2]
+    assert not dropout_p, "the shim has no dropout"
+    out, lse = attention_with_lse(
+        _ATEN, q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous(),
+        causal=causal, scale=scale,
+    )  # fmt: skip
     return out.transpose(1, 2), lse
 
 
@@ -216,9 +221,9 @@ def _aten_cpu_backward(
 ) -> None:
     """yunchang's ``bwd-only`` kernel contract (gradients written into the buffers) on ATen's CPU flash kernel."""
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        *(t.transpose(1, 2) for t in (dout, q, k, v, out)), lse.contiguous(), dropout_p, causal, scale=scale
-    )
+    assert not dropout_p, "the shim has no dropout"
+    dout_, q_, k_, v_, out_ = (t.transpose(1, 2) for t in (dout, q, k, v, out))
+    dq, dk, dv = attention_backward(_ATEN, dout_, q_, k_, v_, out_, lse.contiguous(), causal=causal, scale=scale)
     for buf, grad in ((dq_buf, dq), (dk_buf, dk), (dv_buf, dv)):
         buf.copy_(grad.transpose(1, 2))
 

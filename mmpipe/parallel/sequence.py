@@ -318,6 +318,15 @@ def _exchange(
     return [w for w in works if w is not None], bufs
 
 
+def _prefetch(ring: _Ring, kv: list[torch.Tensor], step: int) -> tuple[list[dist.Work], list[torch.Tensor]]:
+    """Post the exchange of the key/value block this rank works on at ``step + 1``; the buffers it
+    fills (``kv`` itself after the last step: nothing moves then)."""
+    if step + 1 == ring.n:
+        return [], kv
+    n = ring.sizes[(ring.j - step - 1) % ring.n]
+    return _exchange(ring, kv, [_with_len(t.shape, n) for t in kv])
+
+
 def _wait(works: list[dist.Work]) -> None:
     for w in works:
         w.wait()
@@ -352,10 +361,7 @@ class _RingAttention(torch.autograd.Function):
         kv = [k.contiguous(), v.contiguous()]
         for step in range(ring.n):
             src = (ring.j - step) % ring.n
-            works: list[dist.Work] = []
-            if step + 1 < ring.n:
-                nxt_len = ring.sizes[(ring.j - step - 1) % ring.n]
-                works, nxt = _exchange(ring, kv, [_with_len(t.shape, nxt_len) for t in kv])
+            works, nxt = _prefetch(ring, kv, step)
             sel = ring.pairs(src)
             if sel is not None:
                 qs, ks, causal = sel
@@ -372,9 +378,8 @@ class _RingAttention(torch.autograd.Function):
                     l_b.to(acc) - new
                 ).unsqueeze(-1)
                 lse[:, :, qs] = new
-            if step + 1 < ring.n:
-                _wait(works)
-                kv = nxt
+            _wait(works)
+            kv = nxt
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, k_tail, v_tail, bias_tail)
         ctx.ring, ctx.impl, ctx.scale = ring, impl, scale
@@ -406,10 +411,7 @@ class _RingAttention(torch.autograd.Function):
         dkv_in: list[torch.Tensor] = []
         for step in range(ring.n):
             src = (ring.j - step) % ring.n
-            kv_works: list[dist.Work] = []
-            if step + 1 < ring.n:
-                nxt_len = ring.sizes[(ring.j - step - 1) % ring.n]
-                kv_works, nxt = _exchange(ring, kv, [_with_len(t.shape, nxt_len) for t in kv])
+            kv_works, nxt = _prefetch(ring, kv, step)
             dk = torch.zeros(kv[0].shape, dtype=acc, device=q.device)
             dv = torch.zeros(kv[1].shape, dtype=acc, device=q.device)
             sel = ring.pairs(src)
@@ -440,8 +442,7 @@ class _RingAttention(torch.autograd.Function):
                 ring, [dk, dv], [_with_len(dk.shape, prev_len), _with_len(dv.shape, prev_len)]
             )
             _wait(kv_works)
-            if step + 1 < ring.n:
-                kv = nxt
+            kv = nxt
         _wait(dkv_works)
         dk_own, dv_own = dkv_in
         return dq.to(q.dtype), dk_own.to(k.dtype), dv_own.to(v.dtype), None, None, None, dk_tail, dv_tail, None
