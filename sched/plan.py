@@ -143,11 +143,20 @@ class DeviceGroup:
         """``rank``'s position inside its replica (the sequence-parallel index)."""
         return self._index[rank] % self.sp
 
-    def rows(self, rank: int, batch: int) -> tuple[int, int]:
-        """The rows ``[start, stop)`` of a micro-batch of ``batch`` samples that ``rank`` holds:
-        equal shares, or when ``dp`` does not divide ``batch``, shares differing by one row."""
+    def rows(self, rank: int, batch: int, mb: int = 0) -> tuple[int, int]:
+        """The rows ``[start, stop)`` of micro-batch ``mb`` (of ``batch`` samples) that ``rank`` holds:
+        equal shares, or when ``dp`` does not divide ``batch`` (frozen stages only), shares that differ
+        by one row (empty when ``dp > batch``) and rotate over the replicas from one micro-batch to
+        the next, so that over ``dp`` micro-batches every replica encodes the same number of samples."""
         i = self.replica(rank)
+        if batch % self.dp:
+            i = (i + mb) % self.dp
         return i * batch // self.dp, (i + 1) * batch // self.dp
+
+    def holds(self, rank: int, batch: int, mb: int) -> bool:
+        """Whether ``rank`` holds any row of micro-batch ``mb`` (a replica may hold none when ``dp > batch``)."""
+        lo, hi = self.rows(rank, batch, mb)
+        return hi > lo or not batch
 
     def __str__(self) -> str:
         return f"ranks=[{format_ranks(self.ranks)}] {self.options()}"
@@ -323,25 +332,35 @@ class Plan:
 def send_window(plan: Plan, *, minimum: int = 4) -> int:
     """How many unreceived sends a rank may keep in flight: at least ``minimum``, and twice the
     longest run of consecutive sends of any rank, so that a fan-out to many peers never waits on
-    one of them (the simulator checks the plan under the same bound)."""
-    longest = 0
+    one of them (the simulator checks the plan under the same bound), plus every send a rank makes
+    before its first action of a stage that runs a backward (the frozen stages' forwards it runs
+    ahead, see :mod:`mmpipe.sched.schedule`): those may wait for the step's last micro-batch to be
+    received, and must neither block the rank nor take the trained stages' room."""
+    longest = most_ahead = 0
     for acts in plan.actions:
-        run = 0
+        run = ahead = 0
+        trained = False
         for a in acts:
             run = run + 1 if a.kind in SENDS else 0
             longest = max(longest, run)
-    return max(minimum, 2 * longest)
+            trained = trained or a.stage in plan.backward and a.kind in (ActionKind.F, ActionKind.B)
+            ahead += a.kind in SENDS and not trained
+        if trained:  # these may stay unreceived until the step's last micro-batch
+            most_ahead = max(most_ahead, ahead)
+    return max(minimum, 2 * longest + most_ahead)
 
 
 def _check_complete(plan: Plan) -> None:
-    """Every rank of a stage's group runs F (and B) once per micro-batch and STEPs once if trainable."""
+    """Every rank of a stage's group runs F (and B) once per micro-batch it holds rows of, and STEPs
+    once if trainable."""
     for stage, group in plan.placement:
-        expected: list[tuple[ActionKind, int | None]] = [(ActionKind.F, m) for m in range(plan.micro_batches)]
-        if stage in plan.backward:
-            expected += [(ActionKind.B, m) for m in range(plan.micro_batches)]
-        if stage in plan.trainable:
-            expected.append((ActionKind.STEP, None))
         for rank in group.ranks:
+            held = [m for m in range(plan.micro_batches) if group.holds(rank, plan.batch, m)]
+            expected: list[tuple[ActionKind, int | None]] = [(ActionKind.F, m) for m in held]
+            if stage in plan.backward:
+                expected += [(ActionKind.B, m) for m in held]
+            if stage in plan.trainable:
+                expected.append((ActionKind.STEP, None))
             acts = plan.actions[rank]
             have = Counter((a.kind, a.mb) for a in acts if a.stage == stage and a.kind not in TRANSFERS)
             missing = [
@@ -438,7 +457,7 @@ def _has(rank: int, src: str, dst: str, mb: int | None, kind: ActionKind, plan: 
     groups = plan.groups
     local_stage, remote = (src, groups[src]) if kind == ActionKind.RECV else (dst, groups[dst])
     mine = groups[dst] if kind == ActionKind.RECV else groups[src]
-    for peer in overlapping_ranks(mine, rank, remote, plan.batch):
+    for peer in overlapping_ranks(mine, rank, remote, plan.batch, mb or 0):
         if peer == rank:
             local_kind = ActionKind.F if kind == ActionKind.RECV else ActionKind.B
             if (local_stage, local_kind, mb, None, None) not in done:
@@ -449,28 +468,30 @@ def _has(rank: int, src: str, dst: str, mb: int | None, kind: ActionKind, plan: 
 
 
 def check_split(stage: str, group: DeviceGroup, batch: int | None, *, backward: bool) -> None:
-    """A group's replicas split each micro-batch of ``batch`` samples: each gets at least one row,
-    and the replicas of a stage that runs a backward get equal shares (FSDP averages their
-    gradients); frozen stages may take shares that differ by one row."""
+    """A group's replicas split each micro-batch of ``batch`` samples; the replicas of a stage that
+    runs a backward get equal shares (FSDP averages their gradients). Frozen stages may take shares
+    that differ by one row, and more replicas than rows: shares rotate over the micro-batches
+    (:meth:`DeviceGroup.rows`), so a frozen stage can take every rank of a colocated layout."""
     if batch is None:
         return
-    if group.dp > batch:
-        raise PlanError(f"stage {stage!r}: dp={group.dp} replicas exceed the micro-batch size {batch}")
     if backward and batch % group.dp:
         raise PlanError(f"stage {stage!r} runs a backward: its dp={group.dp} must divide the micro-batch size {batch}")
 
 
-def overlapping_ranks(group: DeviceGroup, rank: int, other: DeviceGroup, batch: int = 0) -> list[int]:
-    """Ranks of ``other`` whose share of a micro-batch overlaps ``rank``'s share in ``group``
-    (``batch``: the micro-batch size, needed when a group's shares are unequal)."""
+def overlapping_ranks(group: DeviceGroup, rank: int, other: DeviceGroup, batch: int = 0, mb: int = 0) -> list[int]:
+    """Ranks of ``other`` whose share of micro-batch ``mb`` overlaps ``rank``'s share in ``group``
+    (``batch``: the micro-batch size, needed when a group's shares are unequal or rotate)."""
     if batch and (batch % group.dp or batch % other.dp):
-        lo, hi = group.rows(rank, batch)
-        return [
-            r
-            for j in range(other.dp)
-            if j * batch // other.dp < hi and lo < (j + 1) * batch // other.dp
-            for r in other.ranks[j * other.sp : (j + 1) * other.sp]
-        ]
+        lo, hi = group.rows(rank, batch, mb)
+        if hi <= lo:
+            return []
+        # shares k of ``other`` from the one holding row lo to the one holding row hi - 1 (the last
+        # k with k * batch // dp <= x holds row x), then the replicas holding them this micro-batch
+        replicas = []
+        for k in range(((lo + 1) * other.dp - 1) // batch, (hi * other.dp - 1) // batch + 1):
+            if k * batch // other.dp < (k + 1) * batch // other.dp:
+                replicas.append((k - mb) % other.dp if batch % other.dp else k)
+        return [r for j in sorted(replicas) for r in other.ranks[j * other.sp : (j + 1) * other.sp]]
     i = group.replica(rank)
     # Replicas j of ``other`` with [j/other.dp, (j+1)/other.dp) overlapping [i/group.dp, (i+1)/group.dp).
     first = i * other.dp // group.dp

@@ -484,7 +484,19 @@ class PlanReport:
 def _schedule_summary(cand: Candidate) -> str:
     m = cand.micro_batches
     if cand.layout == "colocated":
-        return f"every rank runs {' -> '.join(cand.configs)} per micro-batch ({m} per step), then STEP"
+        ahead = [s for s in cand.configs if cand.configs[s].backward_s == 0.0]
+        trained = [s for s in cand.configs if s not in ahead] or list(cand.configs)
+        if not ahead or ahead == trained:
+            return f"every rank runs {' -> '.join(trained)} per micro-batch ({m} per step), then STEP"
+        described = []
+        for s in ahead:
+            c = cand.configs[s]
+            turns = c.dp > cand.micro_batch  # replicas take turns: each runs a share of the step's samples
+            described.append(f"{s} ({cand.global_batch // c.dp} sample(s) per replica)" if turns else s)
+        return (
+            f"every rank first runs {', '.join(described)} for all {m} micro-batches, then "
+            f"{' -> '.join(trained)} per micro-batch, then STEP"
+        )
     groups: dict[tuple[int, ...], list[str]] = {}
     for s in cand.configs:
         groups.setdefault(cand.ranks[s], []).append(s)
@@ -963,38 +975,57 @@ class Planner:
     def _colocated(self, b: int, m: int, ranks: int, sequence_parallel: bool) -> Candidate | None:
         """Stages on backward paths take all ``ranks`` (their own dp x sequence split); frozen stages
         run data parallel on every rank (sequential baseline) or, with sequence parallelism, on one
-        rank per replica of the trainable layout when there are fewer samples than ranks."""
-        reserved = 0.0
-        configs: dict[str, StageConfig] = {}
-        groups: dict[str, tuple[int, ...]] = {}
-        # Weights of every stage live on the ranks; the trainable stages' activations come last.
+        rank per replica of the trainable layout, or on every rank taking turns over the micro-batches.
+        Each stage takes its fastest configuration that leaves the later stages room: weights of every
+        stage live on the ranks, the trainable stages' activations come last."""
         order = sorted(self.w.order, key=lambda s: s in self.w.backward)
-        for s in order:
-            options = self._sp_options(s) if sequence_parallel else [(1, 1)]
-            best: StageConfig | None = None
-            for u, r in options:
+
+        def options(s: str, reserved: float) -> list[StageConfig]:
+            found: list[StageConfig] = []
+            for u, r in self._sp_options(s) if sequence_parallel else [(1, 1)]:
                 dps = [ranks // (u * r)] if ranks % (u * r) == 0 else []
                 if sequence_parallel:  # a stage may also run on one rank (or sp group) per replica
                     dps = [d for d in _divisors(ranks) if d * u * r <= ranks and ranks % (d * u * r) == 0]
                 for dp in dps:
-                    if b % dp:
+                    # A frozen stage may take more replicas than the micro-batch has samples: they
+                    # take turns over the step's micro-batches (DeviceGroup.rows), evenly when they
+                    # divide the step's samples.
+                    turns = sequence_parallel and s not in self.w.backward and dp > b and (m * b) % dp == 0
+                    if b % dp and not turns:
                         continue
                     cfg = self.best_config(s, b, dp, m, sp=[(u, r)], reserved=reserved)
-                    if cfg is not None and (best is None or cfg.time < best.time):
-                        best = cfg
-            if best is None:
-                return None
-            configs[s] = best
+                    if cfg is not None:
+                        found.append(cfg)
+            return sorted(found, key=lambda c: _per_micro_batch(c, b))
+
+        def choose(i: int, reserved: float) -> dict[str, StageConfig] | None:
+            if i == len(order):
+                return {}
+            s = order[i]
+            failed = math.inf  # the least memory that left the later stages no room
+            for cfg in options(s, reserved)[: None if i < len(order) - 1 else 1]:
+                added = cfg.memory if s not in self.w.backward or cfg.ranks < ranks else 0.0  # on every rank
+                if added >= failed:
+                    continue  # more memory than a choice that already failed: fails too
+                rest = choose(i + 1, reserved + added)
+                if rest is not None:
+                    return {s: cfg, **rest}
+                failed = added
+            return None
+
+        chosen = choose(0, 0.0)
+        if chosen is None:
+            return None
+        groups: dict[str, tuple[int, ...]] = {}
+        for s, best in chosen.items():
             stride = ranks // best.ranks
             groups[s] = tuple(
                 q * stride * best.ulysses * best.ring + i
                 for q in range(best.dp)
                 for i in range(best.ulysses * best.ring)
             )
-            if s not in self.w.backward or best.ranks < ranks:
-                reserved += best.memory
-        configs = {s: configs[s] for s in self.w.order}
-        est = m * sum(c.time for c in configs.values()) + sum(c.sync_s for c in configs.values())
+        configs = {s: chosen[s] for s in self.w.order}
+        est = m * sum(_per_micro_batch(c, b) for c in configs.values()) + sum(c.sync_s for c in configs.values())
         name = "colocated" if sequence_parallel else "colocated-sequential"
         return Candidate(
             name, "colocated", configs, {s: groups[s] for s in configs}, b, m, self.cluster.world_size, est
@@ -1105,6 +1136,13 @@ class Planner:
             return 0.0
 
         return cost
+
+
+def _per_micro_batch(c: StageConfig, b: int) -> float:
+    """A rank's time for ``c`` per micro-batch of ``b`` samples, averaged over a step: replicas whose
+    shares differ or that take turns (more replicas than samples) each work on ``b / dp`` samples of
+    a micro-batch on average, at ``c.time`` per ``c.samples``."""
+    return c.time * b / (c.dp * c.samples)
 
 
 def _reduce(cand: Candidate) -> Candidate | None:

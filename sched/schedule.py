@@ -7,7 +7,8 @@ forwards in topological order, send the outputs) and, for stages on the backward
 units first (``depth``: how many rank hops the rank is from the end of the backward path) and then
 alternates one backward and one forward unit, which bounds the activations held per rank. Ranks
 that only host frozen stages run their forward units back to back: frozen producers run ahead of
-the trainable consumers, bounded at run time by the number of unfinished sends.
+the trainable consumers, bounded at run time by the number of unfinished sends. Ranks that host
+both run their frozen stages' forward units for every micro-batch first, then the trained ones.
 """
 
 from __future__ import annotations
@@ -93,17 +94,19 @@ def build_plan(
 def _forward_unit(plan: Plan, rank: int, local: Sequence[str], mb: int) -> list[Action]:
     groups, out = plan.groups, []
     for s in local:
+        if not groups[s].holds(rank, plan.batch, mb):
+            continue  # a frozen replica with no row of this micro-batch
         for p in plan.producers(s):
             out += [
                 Action(p, ActionKind.RECV, mb, s, q)
-                for q in overlapping_ranks(groups[s], rank, groups[p], plan.batch)
+                for q in overlapping_ranks(groups[s], rank, groups[p], plan.batch, mb)
                 if q != rank
             ]
         out.append(Action(s, ActionKind.F, mb))
         for c in plan.consumers(s):
             out += [
                 Action(s, ActionKind.SEND, mb, c, q)
-                for q in overlapping_ranks(groups[s], rank, groups[c], plan.batch)
+                for q in overlapping_ranks(groups[s], rank, groups[c], plan.batch, mb)
                 if q != rank
             ]
     return out
@@ -113,11 +116,11 @@ def _backward_unit(plan: Plan, rank: int, local: Sequence[str], mb: int) -> list
     groups, out = plan.groups, []
     for s in reversed([s for s in local if s in plan.backward]):
         for c in (c for c in plan.consumers(s) if c in plan.backward):
-            peers = overlapping_ranks(groups[s], rank, groups[c], plan.batch)
+            peers = overlapping_ranks(groups[s], rank, groups[c], plan.batch, mb)
             out += [Action(s, ActionKind.RECV_GRAD, mb, c, q) for q in peers if q != rank]
         out.append(Action(s, ActionKind.B, mb))
         for p in (p for p in plan.producers(s) if p in plan.backward):
-            peers = overlapping_ranks(groups[s], rank, groups[p], plan.batch)
+            peers = overlapping_ranks(groups[s], rank, groups[p], plan.batch, mb)
             out += [Action(p, ActionKind.SEND_GRAD, mb, s, q) for q in peers if q != rank]
     return out
 
@@ -127,14 +130,23 @@ def _rank_actions(
 ) -> list[Action]:
     local = [s for s in order if rank in plan.groups[s]]
     n = plan.micro_batches
+    # A rank that also trains runs its frozen stages' forwards for every micro-batch first (frozen
+    # stages never depend on a trained one): a frozen stage whose replicas take turns over the
+    # micro-batches (more replicas than rows) then encodes all its turns while its sequence-parallel
+    # peers do the same, instead of stalling them in the middle of the trained stages' schedule.
+    ahead: list[Action] = []
+    if any(s in plan.backward for s in local) and not all(s in plan.backward for s in local):
+        frozen = [s for s in local if s not in plan.backward]
+        ahead = [a for m in range(n) for a in _forward_unit(plan, rank, frozen, m)]
+        local = [s for s in local if s in plan.backward]
     fwd = [_forward_unit(plan, rank, local, m) for m in range(n)]
     bwd = [_backward_unit(plan, rank, local, m) for m in range(n)]
     has_backward = any(bwd)
     if schedule == ScheduleKind.GPIPE or depth is None or not has_backward:
-        units = fwd + bwd
+        units = [ahead, *fwd, *bwd]
     else:
         warm = min(n, depth + 1)
-        units = fwd[:warm]
+        units = [ahead, *fwd[:warm]]
         for m in range(n):
             units.append(bwd[m])
             if m + warm < n:

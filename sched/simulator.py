@@ -84,9 +84,8 @@ class _Sim:
             self.received.add(key)
             end = start
         elif a.kind in (ActionKind.SEND, ActionKind.SEND_GRAD):
-            pending = self.unreceived[rank]
-            while pending and pending[0] in self.received:
-                pending.popleft()
+            # received messages leave the window wherever they are in it, as in the runtime
+            pending = self.unreceived[rank] = deque(k for k in self.unreceived[rank] if k not in self.received)
             if len(pending) >= self.max_inflight:
                 return False  # blocked until the oldest message is received
             end = start + self.cost(a)

@@ -143,10 +143,10 @@ class Executor:
             raise PlanError(f"edge {e}: the producer splits dim {pdim}, the consumer dim {cdim}")
         return pdim, cdim
 
-    def _held(self, e: Edge, rank: int, length: int) -> Region:
-        """What ``rank`` of the producer holds and sends of the edge's tensor."""
+    def _held(self, e: Edge, rank: int, length: int, mb: int) -> Region:
+        """What ``rank`` of the producer holds and sends of the edge's tensor in micro-batch ``mb``."""
         g = self.groups[e.src]
-        rows = g.rows(rank, self.batch_size)
+        rows = g.rows(rank, self.batch_size, mb)
         pdim, cdim = self._dims(e)
         if pdim is not None:
             return Region(rows, pdim, tuple(self._layout(e.src).ranges(length, g.sp_index(rank))), length)
@@ -154,10 +154,10 @@ class Executor:
             return Region((rows[0], rows[0]))
         return Region.whole(rows, cdim, length)
 
-    def _needed(self, e: Edge, rank: int, length: int) -> Region:
-        """What ``rank`` of the consumer needs of the edge's tensor."""
+    def _needed(self, e: Edge, rank: int, length: int, mb: int) -> Region:
+        """What ``rank`` of the consumer needs of the edge's tensor in micro-batch ``mb``."""
         g = self.groups[e.dst]
-        rows = g.rows(rank, self.batch_size)
+        rows = g.rows(rank, self.batch_size, mb)
         pdim, cdim = self._dims(e)
         if cdim is not None:
             return Region(rows, cdim, tuple(self._layout(e.dst).ranges(length, g.sp_index(rank))), length)
@@ -172,9 +172,9 @@ class Executor:
             st.lengths[key] = 0 if dim is None else st.outputs[(e.src, mb)][e.src_port].shape[dim]
         return st.lengths[key]
 
-    def rows(self, stage: str, rank: int | None = None) -> tuple[int, int]:
-        """The rows of each micro-batch that ``rank`` (default: this rank) holds of ``stage``."""
-        return self.groups[stage].rows(self.rank if rank is None else rank, self.batch_size)
+    def rows(self, stage: str, mb: int, rank: int | None = None) -> tuple[int, int]:
+        """The rows of micro-batch ``mb`` that ``rank`` (default: this rank) holds of ``stage``."""
+        return self.groups[stage].rows(self.rank if rank is None else rank, self.batch_size, mb)
 
     # ---- one pass over an action list -------------------------------------------------------------
     def run(
@@ -222,7 +222,7 @@ class Executor:
 
     # ---- compute --------------------------------------------------------------------------------
     def _forward(self, stage: str, mb: int, st: _StepState, batch_fn: BatchFn, options_fn: OptionsFn) -> None:
-        lo, hi = self.rows(stage)
+        lo, hi = self.rows(stage, mb)
         # Build an autograd graph only when this pass runs the stage's backward (not in a forward-only
         # pass, e.g. validation, over the same executor).
         wants_grad = stage in self.plan.backward and stage in st.last_backward
@@ -258,10 +258,10 @@ class Executor:
     def _edge_value(self, e: Edge, mb: int, st: _StepState) -> tuple[torch.Tensor, Region]:
         """What this rank's ``e.dst`` needs of ``e``'s tensor, from local slices and received pieces."""
         length = self._length(e, mb, st)
-        need = self._needed(e, self.rank, length)
+        need = self._needed(e, self.rank, length, mb)
         pieces = []
-        for q in overlapping_ranks(self.groups[e.dst], self.rank, self.groups[e.src], self.batch_size):
-            held = self._held(e, q, length)
+        for q in overlapping_ranks(self.groups[e.dst], self.rank, self.groups[e.src], self.batch_size, mb):
+            held = self._held(e, q, length, mb)
             piece = held.intersect(need)
             if piece.empty:
                 continue
@@ -318,7 +318,7 @@ class Executor:
         """Add the gradient ``peer`` computed for its part of ``e``'s tensor into this rank's output gradient
         (``grad``: the piece both hold when ``peer`` is remote, ``peer``'s whole input gradient when local)."""
         length = self._length(e, mb, st)
-        held, need = self._held(e, self.rank, length), self._needed(e, peer, length)
+        held, need = self._held(e, self.rank, length, mb), self._needed(e, peer, length, mb)
         piece = held.intersect(need)
         if piece.empty:
             return
@@ -357,19 +357,25 @@ class Executor:
         for e in edges:
             length = self._length(e, a.mb, st)
             if grad:  # this rank holds a.dst; the peer holds a.stage
-                need = self._needed(e, self.rank, length)
-                piece = self._held(e, a.peer, length).intersect(need)
+                need = self._needed(e, self.rank, length, a.mb)
+                piece = self._held(e, a.peer, length, a.mb).intersect(need)
                 tensors.append(need.extract(st.pending_grads[(a.stage, a.dst, a.mb)][(e.src_port, e.dst_port)], piece))
             else:
-                held = self._held(e, self.rank, length)
-                piece = held.intersect(self._needed(e, a.peer, length))
+                held = self._held(e, self.rank, length, a.mb)
+                piece = held.intersect(self._needed(e, a.peer, length, a.mb))
                 tensors.append(held.extract(st.outputs[(a.stage, a.mb)][e.src_port], piece))
             lengths.append(length)
         # A forward message ends with the whole lengths along the split dims, which the receiver
         # needs to know its own part; the events count only the payload.
         message = tensors if grad else [*tensors, torch.tensor(lengths, dtype=torch.int64)]
         self._inflight.append((isend_tensors(message, a.peer, self._tag(a.stage, a.dst, grad)), message))
-        while len(self._inflight) > self.max_inflight:  # bound how far a producer runs ahead
+        if len(self._inflight) > self.max_inflight:  # bound how far a producer runs ahead
+            # Completed sends leave the window wherever they are in it: a frozen stage's send that
+            # ran ahead may stay unreceived until the step's last micro-batch while later ones finish.
+            self._inflight = collections.deque(
+                (works, m) for works, m in self._inflight if not all(w.is_completed() for w in works)
+            )
+        while len(self._inflight) > self.max_inflight:
             self._wait_oldest()
         return nbytes(tensors)
 

@@ -106,8 +106,9 @@ def test_data_parallel_dit_matches_within_reordering_tolerance(reference: Path, 
 
 
 def test_frozen_vae_split_unequally_over_two_ranks(tmp_path: Path) -> None:
-    """Micro-batches of 3 clips: the VAE's two replicas encode 1 and 2 of them, the DiT rank
-    receives exactly its rows from both, and training matches the single-process run."""
+    """Micro-batches of 3 clips: the VAE's two replicas encode 1 and 2 of them, in turn (the one
+    with 1 clip in a micro-batch gets 2 in the next), the DiT rank receives exactly its rows from
+    both, and training matches the single-process run."""
     run(tmp_path / "ref", 1, None, batch_size=6)
     run(tmp_path / "split", 3, {"text": [0], "vae": {"ranks": [0, 1], "dp": 2}, "dit": [2]}, batch_size=6)
     ref, got = read_metrics(tmp_path / "ref"), read_metrics(tmp_path / "split")
@@ -119,8 +120,9 @@ def test_frozen_vae_split_unequally_over_two_ranks(tmp_path: Path) -> None:
     for k in pr:
         torch.testing.assert_close(pg[k], pr[k], rtol=1e-5, atol=1e-5, msg=k)
     sends = [e for e in read_events(tmp_path / "split") if e["kind"] == "SEND" and e["stage"] == "vae"]
-    by_rank = {r: sorted({e["bytes"] for e in sends if e["rank"] == r}) for r in (0, 1)}
-    assert len(by_rank[0]) == len(by_rank[1]) == 1 and by_rank[1][0] == 2 * by_rank[0][0]  # 1 clip vs 2 clips
+    by_mb = {(e["rank"], e["mb"]): e["bytes"] for e in sends if e["phase"] == "train"}
+    one = by_mb[(0, 0)]
+    assert by_mb == {(0, 0): one, (1, 0): 2 * one, (0, 1): 2 * one, (1, 1): one}  # 1 clip and 2 clips, in turn
 
 
 def u2g_params(run_dir: Path) -> dict[str, torch.Tensor]:

@@ -3,11 +3,21 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 from toy_graphs import FANOUT, T2V, U2G, G
 
-from mmpipe.sched.plan import Action, ActionKind, DeviceGroup, Plan, PlanError, overlapping_ranks, parse_placement
+from mmpipe.sched.plan import (
+    Action,
+    ActionKind,
+    DeviceGroup,
+    Plan,
+    PlanError,
+    overlapping_ranks,
+    parse_placement,
+    send_window,
+)
 from mmpipe.sched.schedule import ScheduleKind, build_plan
 
 PLACEMENTS = [
@@ -177,5 +187,59 @@ def test_frozen_groups_may_split_a_micro_batch_unequally() -> None:
     # a stage that runs a backward needs equal shares: FSDP averages its replicas' gradients
     with pytest.raises(PlanError, match="runs a backward: its dp=2 must divide the micro-batch size 3"):
         build_plan(T2V, placement | {"dit": DeviceGroup((1, 2), dp=2)}, 2, world_size=3, batch=3)
-    with pytest.raises(PlanError, match="dp=4 replicas exceed the micro-batch size 3"):
-        build_plan(T2V, placement | {"vae": DeviceGroup((0, 1, 3, 4), dp=4)}, 2, world_size=5, batch=3)
+    with pytest.raises(PlanError, match="runs a backward: its dp=4 must divide the micro-batch size 3"):
+        build_plan(T2V, placement | {"dit": DeviceGroup((1, 2, 3, 4), dp=4)}, 2, world_size=5, batch=3)
+
+
+def test_unequal_frozen_shares_rotate_over_micro_batches() -> None:
+    vae = DeviceGroup((0, 1), dp=2)
+    assert [vae.rows(r, 3, 1) for r in (0, 1)] == [(1, 3), (0, 1)]  # mb 0 gave rank 0 one row, rank 1 two
+    assert overlapping_ranks(DeviceGroup((2,)), 2, vae, 3, 1) == [0, 1]
+    # more replicas than rows: each micro-batch's one sample goes to the next replica in turn
+    wide = DeviceGroup((0, 1, 2, 3), dp=4)
+    assert [[r for r in wide.ranks if wide.holds(r, 1, m)] for m in range(8)] == [[3], [2], [1], [0]] * 2
+    assert [wide.rows(r, 1, 1) for r in wide.ranks] == [(0, 0), (0, 0), (0, 1), (0, 0)]
+    assert overlapping_ranks(DeviceGroup((4,)), 4, wide, 1, 1) == [2]
+    assert overlapping_ranks(wide, 1, DeviceGroup((4,)), 1, 1) == []
+
+
+def test_colocated_frozen_stage_takes_turns_ahead_of_the_sequence_parallel_dit() -> None:
+    """The VAE on both ranks of a 2-way sequence-parallel DiT, one clip per micro-batch: the ranks
+    encode alternate micro-batches, all before their first DiT action, and send each other the
+    latents (the DiT ranks each need their part of every clip)."""
+    placement = {
+        "text": DeviceGroup((0, 1), dp=2),
+        "vae": DeviceGroup((0, 1), dp=2),
+        "dit": DeviceGroup((0, 1), ulysses=2),
+    }
+    plan = build_plan(T2V, placement, 4, world_size=2, batch=1)
+    for rank, acts in enumerate(plan.actions):
+        encodes = [a.mb for a in acts if a.stage == "vae" and a.kind == ActionKind.F]
+        assert encodes == [m for m in range(4) if (rank + m) % 2 == 1]
+        first_dit = next(i for i, a in enumerate(acts) if a.kind == ActionKind.RECV or a.stage == "dit")
+        frozen = [i for i, a in enumerate(acts) if a.stage in ("text", "vae") and a.kind != ActionKind.RECV]
+        assert frozen and max(frozen) < first_dit
+        sends = [(a.mb, a.peer) for a in acts if a.stage == "vae" and a.kind == ActionKind.SEND]
+        assert sends == [(m, 1 - rank) for m in encodes]
+    assert send_window(plan) >= 4
+    # forward-only (validation) plans keep the per-micro-batch order
+    val = build_plan(T2V, placement, 4, world_size=2, batch=1, train=False)
+    order = [str(a) for a in val.actions[0]]
+    assert order.index("dit:F:mb0") < order.index("vae:F:mb1") < order.index("dit:F:mb1")
+
+
+def test_overlapping_ranks_of_unequal_and_rotating_shares_match_their_rows() -> None:
+    """The closed form (shares from the one holding the first row to the one holding the last)
+    against the definition: every replica of the other group whose non-empty rows meet ours."""
+    for batch, gdp, odp, mb in itertools.product(range(1, 9), range(1, 11), range(1, 11), range(4)):
+        if not (batch % gdp or batch % odp):
+            continue  # equal shares take the other path
+        group, other = DeviceGroup(tuple(range(gdp)), gdp), DeviceGroup(tuple(range(50, 50 + 2 * odp)), odp, ulysses=2)
+        for rank in group.ranks:
+            lo, hi = group.rows(rank, batch, mb)
+            want = []
+            for j in range(odp):
+                a, b = other.rows(other.ranks[2 * j], batch, mb)
+                if lo < hi and a < b and a < hi and lo < b:
+                    want += other.ranks[2 * j : 2 * j + 2]
+            assert overlapping_ranks(group, rank, other, batch, mb) == want, (batch, gdp, odp, mb, rank)

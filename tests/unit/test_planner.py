@@ -145,9 +145,11 @@ def check_plan_properties(workload: Workload, cluster: Cluster, planner: Planner
         assert len(used) == len(set(used)), "disaggregated groups overlap"
     # The batch: every group splits each micro-batch evenly; the global batch is kept (or capped).
     for s, c in cand.configs.items():
-        assert c.ranks == len(cand.ranks[s]) and c.dp <= cand.micro_batch
+        assert c.ranks == len(cand.ranks[s])
         if s in workload.backward:  # FSDP averages equal shares; frozen shares may differ by one
             assert cand.micro_batch % c.dp == 0
+        elif c.dp > cand.micro_batch:  # frozen replicas taking turns do equal work over a step
+            assert cand.layout == "colocated" and cand.global_batch % c.dp == 0
     if planner.batch_is_cap:
         assert cand.global_batch <= workload.global_batch
     else:
