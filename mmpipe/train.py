@@ -240,8 +240,13 @@ def apply_parallel(
 
 def check_stage_support(graph: Graph, placement: dict[str, DeviceGroup], cfg: RunConfig) -> None:
     """Each stage can take its placement: sequence-parallel degrees (capabilities, head counts, a
-    token share on every rank) and activation offload."""
+    token share on every rank), activation offload, and parameters gathered once per step."""
     for stage, group in placement.items():
+        if group.gather_once and (graph.stages[stage].frozen or len(group.ranks) == 1):
+            raise PlanError(
+                f"placement.{stage}.gather_once=true: only a trainable stage sharded (FSDP) over several ranks "
+                f"gathers its parameters; {stage!r} is {'frozen' if graph.stages[stage].frozen else 'on one rank'}"
+            )
         if group.sp > 1:
             graph.stages[stage].check_sequence_parallel(group.ulysses, group.ring)
         if group.offload and not graph.stages[stage].capabilities.offload:

@@ -99,7 +99,9 @@ class DeviceGroup:
     """The ranks a stage runs on: ``dp`` data-parallel replicas (FSDP2-sharded for trainable stages)
     that split each micro-batch, each replica ``ulysses x ring`` consecutive ranks that split its
     sequence; ``recompute`` / ``offload``: the fractions of the stage's blocks whose activations are
-    recomputed in backward / offloaded to host memory (of the blocks that are kept)."""
+    recomputed in backward / offloaded to host memory (of the blocks that are kept); ``gather_once``:
+    an FSDP-sharded trainable stage gathers its parameters once per step and keeps them until the
+    step's last backward (instead of gathering them for every micro-batch's forward and backward)."""
 
     ranks: tuple[int, ...]
     dp: int = 1
@@ -107,6 +109,7 @@ class DeviceGroup:
     ring: int = 1
     recompute: float = 0.0
     offload: float = 0.0
+    gather_once: bool = False
 
     def __post_init__(self) -> None:
         if not self.ranks or len(set(self.ranks)) != len(self.ranks):
@@ -162,10 +165,11 @@ class DeviceGroup:
         return f"ranks=[{format_ranks(self.ranks)}] {self.options()}"
 
     def options(self) -> str:
-        """``dp=.. [ulysses=..] [ring=..] [recompute=..] [offload=..]`` (non-default ones)."""
+        """``dp=.. [ulysses=..] [ring=..] [recompute=..] [offload=..] [gather_once=1]`` (non-default ones)."""
         out = [f"dp={self.dp}"]
         out += [f"{k}={getattr(self, k)}" for k in ("ulysses", "ring") if getattr(self, k) != 1]
         out += [f"{k}={getattr(self, k):g}" for k in ("recompute", "offload") if getattr(self, k)]
+        out += ["gather_once=1"] if self.gather_once else []
         return " ".join(out)
 
 
@@ -258,7 +262,7 @@ class Plan:
                 if m is None:
                     raise PlanError(f"line {n}: bad placement {line!r}")
                 opts = dict(kv.split("=") for kv in m[3].split())
-                unknown = set(opts) - {"dp", "ulysses", "ring", "recompute", "offload"}
+                unknown = set(opts) - {"dp", "ulysses", "ring", "recompute", "offload", "gather_once"}
                 if unknown:
                     raise PlanError(f"line {n}: unknown placement options {sorted(unknown)}")
                 group = DeviceGroup(
@@ -268,6 +272,7 @@ class Plan:
                     ring=int(opts.get("ring", 1)),
                     recompute=float(opts.get("recompute", 0)),
                     offload=float(opts.get("offload", 0)),
+                    gather_once=opts.get("gather_once", "0") == "1",
                 )
                 placement.append((m[1], group))
             elif head == "edge":
@@ -504,7 +509,7 @@ def parse_placement(raw: Mapping[str, Sequence[int] | Mapping[str, object]]) -> 
     out = {}
     for stage, spec in raw.items():
         if isinstance(spec, Mapping):
-            allowed = {"ranks", "dp", "ulysses", "ring", "recompute", "offload"}
+            allowed = {"ranks", "dp", "ulysses", "ring", "recompute", "offload", "gather_once"}
             unknown = set(spec) - allowed
             if unknown:
                 raise PlanError(f"placement.{stage}: unknown keys {sorted(unknown)} (allowed: {sorted(allowed)})")
@@ -521,8 +526,11 @@ def parse_placement(raw: Mapping[str, Sequence[int] | Mapping[str, object]]) -> 
                 extra[k] = float(v)
             sp = int(extra.get("ulysses", 1)) * int(extra.get("ring", 1))
             dp = spec.get("dp", len(ranks) // max(sp, 1) if isinstance(ranks, Sequence) else 1)
+            gather_once = spec.get("gather_once", False)
+            if not isinstance(gather_once, bool):
+                raise PlanError(f"placement.{stage}.gather_once must be true or false, got {gather_once!r}")
         else:
-            ranks, dp, extra = spec, len(spec), {}
+            ranks, dp, extra, gather_once = spec, len(spec), {}, False
         if not isinstance(ranks, Sequence) or not all(isinstance(r, int) for r in ranks):
             raise PlanError(f"placement.{stage}: ranks must be a list of ints, got {ranks!r}")
         if not isinstance(dp, int):
@@ -534,5 +542,6 @@ def parse_placement(raw: Mapping[str, Sequence[int] | Mapping[str, object]]) -> 
             ring=int(extra.get("ring", 1)),
             recompute=extra.get("recompute", 0.0),
             offload=extra.get("offload", 0.0),
+            gather_once=gather_once,
         )
     return out

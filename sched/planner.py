@@ -170,6 +170,7 @@ class StageConfig:
     memory: float = 0.0  # peak bytes per rank
     inflight: int = 1
     sync_s: float = 0.0  # gradient reduce-scatter, once per step (in the last micro-batch's backward)
+    gather_once: bool = False  # FSDP parameters gathered once per step and kept (DeviceGroup.gather_once)
 
     @property
     def ranks(self) -> int:
@@ -218,8 +219,11 @@ class CostModel:
         *,
         inflight: int = 1,
         reserved: float = 0.0,
+        micro_batches: int = 1,
+        gather_once: bool = False,
     ) -> StageConfig:
-        """The configuration's times and peak memory (``reserved``: bytes other stages keep on its ranks)."""
+        """The configuration's times and peak memory (``reserved``: bytes other stages keep on its ranks;
+        ``gather_once``: a trainable stage's parameters gathered once per ``micro_batches`` and kept)."""
         c, w = self.costs(stage), self.w
         sp = ulysses * ring
         n = samples
@@ -251,9 +255,10 @@ class CostModel:
         fsdp = sync = 0.0
         width = self.cluster.dtype_bytes
         replicate = not trainable and width * c.params <= 0.25 * self.budget
+        gather_once = gather_once and trainable and group > 1
         if group > 1 and (trainable or not replicate):
             gather = self.collective("all_gather", width * c.params, group)
-            fsdp = gather * (2 + recompute if train else 1)
+            fsdp = gather / micro_batches if gather_once else gather * (2 + recompute if train else 1)
             if trainable:
                 sync = self.collective("reduce_scatter", width * c.params, group)
         # Offload of saved activations to host memory and back, overlapped with compute.
@@ -269,7 +274,7 @@ class CostModel:
         # Memory per rank.
         block_params = c.params / max(c.blocks, 1)
         if trainable:
-            weights = ADAM_BYTES * c.params / group + 2 * width * block_params
+            weights = ADAM_BYTES * c.params / group + (width * c.params if gather_once else 2 * width * block_params)
         elif replicate or group == 1:
             weights = width * c.params
         else:
@@ -286,7 +291,7 @@ class CostModel:
         if inflight * moved > self.cluster.host_memory_bytes:
             memory = math.inf  # the offloaded activations do not fit host memory
         return StageConfig(
-            stage, dp, ulysses, ring, recompute, offload, n, forward_s, backward_s, memory, inflight, sync
+            stage, dp, ulysses, ring, recompute, offload, n, forward_s, backward_s, memory, inflight, sync, gather_once
         )
 
     def collective(self, kind: str, nbytes: float, ranks: int) -> float:
@@ -324,7 +329,7 @@ class Candidate:
 
     def placement(self) -> dict[str, DeviceGroup]:
         return {
-            s: DeviceGroup(self.ranks[s], c.dp, c.ulysses, c.ring, c.recompute, c.offload)
+            s: DeviceGroup(self.ranks[s], c.dp, c.ulysses, c.ring, c.recompute, c.offload, c.gather_once)
             for s, c in self.configs.items()
         }
 
@@ -372,6 +377,7 @@ class PlanResult:
                     "ring": c.ring,
                     "recompute": c.recompute,
                     "offload": c.offload,
+                    "gather_once": c.gather_once,
                     "samples_per_replica": c.samples,
                     "forward_s": c.forward_s,
                     "backward_s": c.backward_s,
@@ -443,12 +449,13 @@ class PlanReport:
             f"layout: {cand.layout}; ranks used: {cand.ranks_used}/{cand.world_size}",
             "",
             f"{'stage':<10} {'ranks':>13} {'dp':>5} {'uly':>4} {'ring':>4} {'recomp':>6} {'offl':>5} "
-            f"{'fwd s/mb':>9} {'bwd s/mb':>9} {'mem GB':>7} {'bubble':>6}",
+            f"{'gather':>6} {'fwd s/mb':>9} {'bwd s/mb':>9} {'mem GB':>7} {'bubble':>6}",
         ]
         for s, c in cand.configs.items():
+            gather = "step" if c.gather_once else "mb" if c.sync_s else "-"  # FSDP parameter all-gathers
             lines.append(
                 f"{s:<10} {format_ranks(cand.ranks[s], max_runs=3):>13} {c.dp:>5} {c.ulysses:>4} {c.ring:>4} "
-                f"{c.recompute:>6.2f} {c.offload:>5.2f} {c.forward_s:>9.3f} {c.backward_s:>9.3f} "
+                f"{c.recompute:>6.2f} {c.offload:>5.2f} {gather:>6} {c.forward_s:>9.3f} {c.backward_s:>9.3f} "
                 f"{best.peak_memory[s] / gb:>7.1f} {best.stage_bubble.get(s, 0.0):>6.1%}"
             )
         lines.append("")
@@ -668,6 +675,23 @@ class Planner:
                 # A higher recompute fraction adds compute; it only pays while offload is exposed.
                 if fit.offload == 0.0 or fit.time <= self._no_offload_time(fit, base):
                     break
+        if best is not None and stage in self.w.trainable and best.ranks > 1:
+            # Parameters gathered once per step: their memory for fewer gathers, when those are exposed.
+            once = self.model.configure(
+                stage,
+                best.samples,
+                dp,
+                best.ulysses,
+                best.ring,
+                best.recompute,
+                best.offload,
+                inflight=inflight,
+                reserved=reserved,
+                micro_batches=micro_batches,
+                gather_once=True,
+            )
+            if self.model.fits(once) and once.time < best.time:
+                best = once
         return best
 
     def _no_offload_time(self, fit: StageConfig, base: StageConfig) -> float:

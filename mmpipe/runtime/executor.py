@@ -106,7 +106,9 @@ class Executor:
         if mesh is not None and not st.frozen:
             # FSDP2 averages gradients over the group (gloo has no pre-scaled sum); _backward
             # seeds each rank's backward (group size) times its share so that the average is the sum.
-            fully_shard(module, mesh=mesh)
+            # gather_once: keep the gathered parameters from the step's first forward to its last
+            # backward (set in _backward), trading their memory for one all-gather per step.
+            fully_shard(module, mesh=mesh, reshard_after_forward=not group.gather_once)
         return module
 
     def _apply_memory_policy(self, stage: str, module: nn.Module) -> None:
@@ -198,6 +200,10 @@ class Executor:
                 ) from err
             if self.events is not None:
                 self.events.record(action, start, time.perf_counter(), moved)
+        for stage in self.local:  # a forward-only pass leaves gather_once parameters gathered
+            module = self.modules[stage]
+            if self.groups[stage].gather_once and isinstance(module, FSDPModule) and stage not in state.last_backward:
+                module.reshard()
         if flush:
             self.flush()
         return {"loss": state.loss, "grad_norm": state.grad_norms}
@@ -290,6 +296,8 @@ class Executor:
         if isinstance(module, FSDPModule):
             # Accumulate unreduced gradients and reduce-scatter once, in the last micro-batch's backward.
             module.set_requires_gradient_sync(mb == st.last_backward[stage])
+            if group.gather_once:
+                module.set_reshard_after_backward(mb == st.last_backward[stage])
         # Seed the backward with n (the group's size) x this rank's share of d(loss): FSDP2's average
         # over the group then yields the sum of the shares; input gradients are scaled back by 1/n below.
         if not any(c in self.plan.backward for c in self.plan.consumers(stage)):

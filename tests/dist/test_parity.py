@@ -105,6 +105,20 @@ def test_data_parallel_dit_matches_within_reordering_tolerance(reference: Path, 
         torch.testing.assert_close(pg[k], pr[k], rtol=1e-5, atol=1e-5, msg=k)
 
 
+def test_parameters_gathered_once_per_step_match_gathering_per_micro_batch(tmp_path: Path) -> None:
+    """``gather_once``: FSDP2 keeps the DiT's gathered parameters from the step's first forward to its
+    last backward; the gradients are reduce-scattered the same way, so training is bitwise the same."""
+    dit = {"ranks": [1, 2], "dp": 2}
+    run(tmp_path / "mb", 3, {"text": [0], "vae": [0], "dit": dit})
+    run(tmp_path / "once", 3, {"text": [0], "vae": [0], "dit": dit | {"gather_once": True}})
+    a, b = read_metrics(tmp_path / "mb"), read_metrics(tmp_path / "once")
+    assert [r.get("loss") for r in a] == [r.get("loss") for r in b]
+    assert [r.get("grad_norm") for r in a] == [r.get("grad_norm") for r in b]
+    assert a[-1]["val_loss"] == b[-1]["val_loss"]
+    pa, pb = dit_params(tmp_path / "mb"), dit_params(tmp_path / "once")
+    assert all(torch.equal(pa[k], pb[k]) for k in pa), [k for k in pa if not torch.equal(pa[k], pb[k])]
+
+
 def test_frozen_vae_split_unequally_over_two_ranks(tmp_path: Path) -> None:
     """Micro-batches of 3 clips: the VAE's two replicas encode 1 and 2 of them, in turn (the one
     with 1 clip in a micro-batch gets 2 in the next), the DiT rank receives exactly its rows from
