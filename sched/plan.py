@@ -400,17 +400,24 @@ def _dry_run(plan: Plan) -> None:
     pos = [0] * plan.world_size
     sent: set[tuple] = set()
     done: list[set[tuple]] = [set() for _ in range(plan.world_size)]
-    progress = True
-    while progress:
-        progress = False
-        for rank, acts in enumerate(plan.actions):
-            while pos[rank] < len(acts) and _ready(plan, rank, acts[pos[rank]], sent, done[rank]):
-                a = acts[pos[rank]]
-                if a.kind in SENDS:
-                    sent.add(transfer_key(rank, a))
-                done[rank].add((a.stage, a.kind, a.mb, a.dst, a.peer))
-                pos[rank] += 1
-                progress = True
+    # A rank runs until an action is not ready. Only a receive can become ready later (when its
+    # message is sent): the rank waits on that message and is woken by its send.
+    waiting: dict[tuple, int] = {}
+    ready = list(range(plan.world_size))
+    while ready:
+        rank = ready.pop()
+        acts = plan.actions[rank]
+        while pos[rank] < len(acts) and _ready(plan, rank, acts[pos[rank]], sent, done[rank]):
+            a = acts[pos[rank]]
+            if a.kind in SENDS:
+                key = transfer_key(rank, a)
+                sent.add(key)
+                if key in waiting:
+                    ready.append(waiting.pop(key))
+            done[rank].add((a.stage, a.kind, a.mb, a.dst, a.peer))
+            pos[rank] += 1
+        if pos[rank] < len(acts) and acts[pos[rank]].kind in RECVS:
+            waiting[transfer_key(rank, acts[pos[rank]])] = rank
     stuck = {r: p for r, p in enumerate(pos) if p < len(plan.actions[r])}
     if stuck:
         detail = "; ".join(f"rank {r} waits at {plan.actions[r][p]}" for r, p in stuck.items())

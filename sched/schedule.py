@@ -161,8 +161,9 @@ def _rank_depths(plan: Plan, world_size: int) -> dict[int, int]:
     g.add_nodes_from(range(world_size))
     groups = plan.groups
     for p, c in plan.edges:
-        if p in plan.backward and c in plan.backward:
-            g.add_edges_from((a, b) for a in groups[p].ranks for b in groups[c].ranks if a != b)
+        if p in plan.backward and c in plan.backward:  # ranks exchanging activations and gradients
+            for a in groups[p].ranks:
+                g.add_edges_from((a, b) for b in overlapping_ranks(groups[p], a, groups[c], plan.batch) if a != b)
     if not nx.is_directed_acyclic_graph(g):
         return {}
     depth: dict[int, int] = {}
