@@ -46,6 +46,15 @@ class BlockPolicy(enum.StrEnum):
     SELECTIVE = "selective"  # recompute the cheap ops, keep the outputs of matmuls and attention
 
 
+BLOCK_LETTERS = {
+    "k": BlockPolicy.KEEP,
+    "o": BlockPolicy.OFFLOAD,
+    "r": BlockPolicy.RECOMPUTE,
+    "s": BlockPolicy.SELECTIVE,
+}
+"""One letter per policy, as plans spell per-block lists (``DeviceGroup.blocks``)."""
+
+
 @dataclasses.dataclass
 class TierStats:
     """What a tier moved: bytes written out in all, bytes out now (and at most), seconds spent."""

@@ -154,14 +154,22 @@ class StageParallelConfig:
 @dataclasses.dataclass(kw_only=True)
 class StageMemoryConfig:
     """Activation policy of one stage's repeated blocks (``memory.dit.policy=auto memory.dit.budget_gb=60``):
-    ``keep`` everything, ``recompute`` or ``offload`` (to a spill directory) every block, or ``auto``:
-    the cheapest mix whose saved activations, with the micro-batches 1F1B keeps in flight, fit
-    ``budget_gb`` per rank."""
+    ``keep`` everything, ``recompute``, ``selective`` (recompute all but the matmul and attention
+    outputs) or ``offload`` (to a spill directory) every block, or ``auto``: the cheapest mix whose
+    saved activations, with the micro-batches 1F1B keeps in flight, fit ``budget_gb`` per rank.
+    ``blocks``: instead of a policy, one per block, in order (``[offload, offload, recompute, keep]``)."""
 
-    policy: Literal["keep", "recompute", "offload", "auto"] = "keep"
+    policy: Literal["keep", "recompute", "selective", "offload", "auto"] = "keep"
     budget_gb: float | None = None
+    blocks: list[Literal["keep", "recompute", "selective", "offload"]] | None = None
 
     def __post_init__(self) -> None:
+        if self.blocks is not None and self.policy != "keep":
+            raise ValueError(
+                f"memory.<stage>.blocks={self.blocks} and policy={self.policy}: give a policy or a list per block"
+            )
+        if self.blocks is not None and not self.blocks:
+            raise ValueError("memory.<stage>.blocks is empty; give one policy per repeated block")
         if self.policy == "auto" and (self.budget_gb is None or self.budget_gb <= 0):
             raise ValueError(f"memory.<stage>.policy=auto needs a positive budget_gb, got {self.budget_gb}")
         if self.policy != "auto" and self.budget_gb is not None:
@@ -307,6 +315,10 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
         if isinstance(item, type) and dataclasses.is_dataclass(item):
             return {k: from_dict(item, v, f"{key}.{k}.") for k, v in value.items()}
         return value
+    if origin is list:
+        if not isinstance(value, list | tuple):
+            raise ValueError(f"{key}={value!r}: expected a list")
+        return [_coerce(args[0], v, f"{key}[{i}]") if args else v for i, v in enumerate(value)]
     if origin is Literal:
         if value not in args:
             raise ValueError(f"{key}={value!r}: expected one of {list(args)}")
@@ -327,6 +339,8 @@ def _type_name(tp: Any) -> str:
         return " or ".join(repr(a) for a in typing.get_args(tp))
     if typing.get_origin(tp) is dict:
         return "a mapping"
+    if typing.get_origin(tp) is list:
+        return "a list"
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 

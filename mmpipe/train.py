@@ -272,18 +272,34 @@ def apply_memory(graph: Graph, placement: dict[str, DeviceGroup], plan: Plan, cf
     """``placement`` with each stage's ``memory.<stage>`` policy as recompute / offload fractions."""
     out = dict(placement)
     for stage, m in cfg.memory.items():
-        if m.policy == "keep":
+        if m.policy == "keep" and m.blocks is None:
             continue
+        what = f"memory.{stage}.policy={m.policy}" if m.blocks is None else f"memory.{stage}.blocks"
         if stage not in placement:
             raise PlanError(f"memory.{stage}: no stage {stage!r} in this graph; stages: {sorted(placement)}")
         group = placement[stage]
-        if group.recompute or group.offload:
+        if stage not in plan.backward:
+            raise PlanError(f"{what}: stage {stage!r} runs no backward, so it saves no activations to manage")
+        if group.recompute or group.offload or group.blocks:
             raise PlanError(
-                f"memory.{stage}.policy={m.policy} contradicts placement.{stage} "
-                f"(recompute={group.recompute} offload={group.offload})"
+                f"{what} contradicts placement.{stage} "
+                f"(recompute={group.recompute} offload={group.offload} blocks={group.blocks!r})"
             )
-        if m.policy != "recompute" and not graph.stages[stage].capabilities.offload:
-            raise PlanError(f"memory.{stage}.policy={m.policy}: stage {stage!r} cannot offload activations")
+        offloads = m.policy in ("offload", "auto") or "offload" in (m.blocks or [])
+        if offloads and not graph.stages[stage].capabilities.offload:
+            raise PlanError(f"{what}: stage {stage!r} cannot offload activations")
+        if m.blocks is not None or m.policy == "selective":
+            n = count_blocks(graph, stage)
+            names = m.blocks if m.blocks is not None else ["selective"] * n
+            if len(names) != n:
+                raise PlanError(
+                    f"memory.{stage}.blocks names {len(names)} policies; stage {stage!r} has {n} repeated blocks"
+                )
+            letters = "".join(name[0] for name in names)  # keep/offload/recompute/selective -> k/o/r/s
+            out[stage] = dataclasses.replace(
+                group, recompute=letters.count("r") / n, offload=letters.count("o") / n, blocks=letters
+            )
+            continue
         match m.policy:
             case "recompute":
                 recompute, offload = 1.0, 0.0
@@ -294,6 +310,16 @@ def apply_memory(graph: Graph, placement: dict[str, DeviceGroup], plan: Plan, cf
                 recompute, offload = auto_memory(graph, stage, group, plan, cfg, int(m.budget_gb * 2**30))
         out[stage] = dataclasses.replace(group, recompute=recompute, offload=offload)
     return out
+
+
+def count_blocks(graph: Graph, stage: str) -> int:
+    """The number of repeated blocks of ``stage``'s module, counted on the meta device (no weights)."""
+    from mmpipe.sched.cost import build_meta_module, repeated_blocks
+
+    blocks = repeated_blocks(build_meta_module(graph.stages[stage], torch.float32))
+    if not blocks:
+        raise PlanError(f"memory.{stage}: stage {stage!r} has no repeated blocks to give policies to")
+    return len(blocks)
 
 
 def auto_memory(
@@ -359,7 +385,7 @@ def make_plans(graph: Graph, cfg: RunConfig) -> tuple[Plan, Plan]:
     n_micro = cfg.train.micro_batches
     size = cfg.train.batch_size // n_micro
     train_plan = build_plan(graph, placement, n_micro, world_size=world, schedule=kind, batch=size)
-    if any(m.policy != "keep" for m in cfg.memory.values()):  # memory policies do not change the actions
+    if any(m.policy != "keep" or m.blocks is not None for m in cfg.memory.values()):  # same actions
         placement = apply_memory(graph, placement, train_plan, cfg)
         train_plan = build_plan(graph, placement, n_micro, world_size=world, schedule=kind, batch=size)
     val_plan = build_plan(graph, placement, n_micro, world_size=world, schedule=kind, train=False, batch=size)

@@ -101,7 +101,10 @@ class DeviceGroup:
     sequence; ``recompute`` / ``offload``: the fractions of the stage's blocks whose activations are
     recomputed in backward / offloaded to host memory (of the blocks that are kept); ``gather_once``:
     an FSDP-sharded trainable stage gathers its parameters once per step and keeps them until the
-    step's last backward (instead of gathering them for every micro-batch's forward and backward)."""
+    step's last backward (instead of gathering them for every micro-batch's forward and backward);
+    ``blocks``: an explicit policy per repeated block, one letter each (``k`` keep, ``o`` offload,
+    ``r`` recompute, ``s`` selective recompute), which the runtime applies instead of the fractions
+    (these then count the blocks for the cost model)."""
 
     ranks: tuple[int, ...]
     dp: int = 1
@@ -110,8 +113,11 @@ class DeviceGroup:
     recompute: float = 0.0
     offload: float = 0.0
     gather_once: bool = False
+    blocks: str = ""
 
     def __post_init__(self) -> None:
+        if self.blocks.strip("kors"):
+            raise PlanError(f"device group {list(self.ranks)}: blocks={self.blocks!r} may hold only k, o, r and s")
         if not self.ranks or len(set(self.ranks)) != len(self.ranks):
             raise PlanError(f"device group ranks must be distinct and non-empty, got {list(self.ranks)}")
         if min(self.dp, self.ulysses, self.ring) < 1:
@@ -170,6 +176,7 @@ class DeviceGroup:
         out += [f"{k}={getattr(self, k)}" for k in ("ulysses", "ring") if getattr(self, k) != 1]
         out += [f"{k}={getattr(self, k):g}" for k in ("recompute", "offload") if getattr(self, k)]
         out += ["gather_once=1"] if self.gather_once else []
+        out += [f"blocks={self.blocks}"] if self.blocks else []
         return " ".join(out)
 
 
@@ -258,11 +265,11 @@ class Plan:
             elif head == "batch":
                 batch = int(rest)
             elif head == "place":
-                m = re.fullmatch(r"(\S+) ranks=([\d,]+)((?: \w+=[\d.]+)*)", rest)
+                m = re.fullmatch(r"(\S+) ranks=([\d,]+)((?: \w+=[\w.]+)*)", rest)
                 if m is None:
                     raise PlanError(f"line {n}: bad placement {line!r}")
                 opts = dict(kv.split("=") for kv in m[3].split())
-                unknown = set(opts) - {"dp", "ulysses", "ring", "recompute", "offload", "gather_once"}
+                unknown = set(opts) - {"dp", "ulysses", "ring", "recompute", "offload", "gather_once", "blocks"}
                 if unknown:
                     raise PlanError(f"line {n}: unknown placement options {sorted(unknown)}")
                 group = DeviceGroup(
@@ -273,6 +280,7 @@ class Plan:
                     recompute=float(opts.get("recompute", 0)),
                     offload=float(opts.get("offload", 0)),
                     gather_once=opts.get("gather_once", "0") == "1",
+                    blocks=opts.get("blocks", ""),
                 )
                 placement.append((m[1], group))
             elif head == "edge":

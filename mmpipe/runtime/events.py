@@ -1,7 +1,9 @@
 """Per-rank records of every executed action, as JSON lines in ``RUN_DIR/events/rank<R>.jsonl``.
 
 One record: ``{"rank", "step", "phase", "stage", "dst", "peer", "mb", "kind", "start", "end", "bytes"}``
-(``dst`` / ``peer``: the consumer stage and the other rank of a transfer, else null);
+(``dst`` / ``peer``: the consumer stage and the other rank of a transfer, else null), plus, on
+ranks that offload activations, the action's ``offloaded_bytes``, ``offload_write_s`` and
+``offload_wait_s`` (seconds a backward waited to read its tensors back) when non-zero;
 times are ``time.perf_counter()`` seconds offset to the Unix epoch at recorder creation, so ranks
 on one machine share a clock. The dashboard and the simulator read the same format.
 """
@@ -28,8 +30,9 @@ class EventRecorder:
         self.step = 0
         self.phase = "train"
 
-    def record(self, action: Action, start: float, end: float, nbytes: int) -> None:
-        """Write one action's event."""
+    def record(self, action: Action, start: float, end: float, nbytes: int, **extra: float) -> None:
+        """Write one action's event; ``extra``: non-zero figures of the action (e.g. the activation
+        tier's ``offloaded_bytes``, ``offload_write_s`` and ``offload_wait_s``)."""
         event: dict[str, Any] = {
             "rank": self.rank,
             "step": self.step,
@@ -43,6 +46,7 @@ class EventRecorder:
             "end": end + self._offset,
             "bytes": nbytes,
         }
+        event.update({k: v for k, v in extra.items() if v})
         self._stream.write(json.dumps(event) + "\n")
 
     def flush(self) -> None:

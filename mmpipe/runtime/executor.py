@@ -27,7 +27,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from mmpipe.graph import INPUT, Edge, Graph
-from mmpipe.memory.policy import BlockPolicy, FileTier, apply_block_policies, block_policies
+from mmpipe.memory.policy import BLOCK_LETTERS, BlockPolicy, FileTier, apply_block_policies, block_policies
 from mmpipe.parallel.sequence import SequenceLayout
 from mmpipe.runtime.events import EventRecorder
 from mmpipe.runtime.mesh import MeshOwner
@@ -100,7 +100,7 @@ class Executor:
         if group.sp > 1:
             st.check_sequence_parallel(group.ulysses, group.ring)
             st.parallelize_sequence(module, self.mesh.sequence_mesh(stage, zigzag=st.sequence_causal))
-        if group.recompute or group.offload:
+        if group.recompute or group.offload or group.blocks.strip("k"):
             self._apply_memory_policy(stage, module)
         mesh = self.mesh.fsdp_mesh(stage)
         if mesh is not None and not st.frozen:
@@ -118,7 +118,15 @@ class Executor:
         blocks = repeated_blocks(module)
         if not blocks:
             raise PlanError(f"stage {stage!r}: recompute / offload need repeated blocks, and its module has none")
-        policies = block_policies(len(blocks), group.recompute, group.offload)
+        if group.blocks:
+            if len(group.blocks) != len(blocks):
+                raise PlanError(
+                    f"stage {stage!r}: blocks={group.blocks!r} names {len(group.blocks)} policies, "
+                    f"its module has {len(blocks)} repeated blocks"
+                )
+            policies = [BLOCK_LETTERS[c] for c in group.blocks]
+        else:
+            policies = block_policies(len(blocks), group.recompute, group.offload)
         tier = None
         if BlockPolicy.OFFLOAD in policies:
             if any(p.is_cuda for p in module.parameters()):
@@ -192,6 +200,7 @@ class Executor:
                 state.last_backward[a.stage] = _mb(a)
         for i, action in enumerate(actions):
             start = time.perf_counter()
+            tier = dataclasses.replace(self.spill.stats) if self.spill is not None else None
             try:
                 moved = self._dispatch(action, state, batch_fn, options_fn)
             except (RuntimeError, ValueError) as err:
@@ -199,7 +208,15 @@ class Executor:
                     f"rank {self.rank} failed at step {i} ({action}): {err}\n{self.plan.format_table({self.rank: i})}"
                 ) from err
             if self.events is not None:
-                self.events.record(action, start, time.perf_counter(), moved)
+                extra = {}
+                if tier is not None and self.spill is not None:  # what the file tier did in this action
+                    now = self.spill.stats
+                    extra = {
+                        "offloaded_bytes": now.offloaded_bytes - tier.offloaded_bytes,
+                        "offload_write_s": now.write_s - tier.write_s,
+                        "offload_wait_s": now.read_s - tier.read_s,  # backward waiting for its tensors
+                    }
+                self.events.record(action, start, time.perf_counter(), moved, **extra)
         for stage in self.local:  # a forward-only pass leaves gather_once parameters gathered
             module = self.modules[stage]
             if self.groups[stage].gather_once and isinstance(module, FSDPModule) and stage not in state.last_backward:

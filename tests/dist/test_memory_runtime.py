@@ -6,14 +6,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from test_parity import dit_params
 
-from mmpipe.config import DataConfig, LaunchConfig, RunConfig, TrainConfig
+from mmpipe.config import DataConfig, LaunchConfig, RunConfig, StageMemoryConfig, TrainConfig
+from mmpipe.runtime.events import read_events
 from mmpipe.train import read_metrics, train
 
 
-def _run(run_dir: Path, nproc: int, placement: dict | None) -> None:
+def _run(run_dir: Path, nproc: int, placement: dict | None, memory: dict | None = None) -> None:
     # 64 x 64 clips of 17 frames: the DiT's saved activations exceed the offload threshold (64 KiB)
     train(
         RunConfig(
@@ -25,21 +27,49 @@ def _run(run_dir: Path, nproc: int, placement: dict | None) -> None:
             ),
             launch=LaunchConfig(nproc=nproc, timeout_s=120),
             placement=placement,
+            memory=memory or {},
         )
     )  # fmt: skip
 
 
-def test_recompute_and_offload_in_the_pipeline_are_bitwise_identical(tmp_path: Path) -> None:
-    _run(tmp_path / "ref", 1, None)
-    # 4 blocks: recompute 0.5 -> 2 recomputed; offload 0.5 of the other 2 -> 1 offloaded, 1 kept
-    dit = {"ranks": [1], "recompute": 0.5, "offload": 0.5}
-    _run(tmp_path / "mem", 2, {"text": [0], "vae": [0], "dit": dit})
-    ref, got = read_metrics(tmp_path / "ref"), read_metrics(tmp_path / "mem")
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("ref")
+    _run(root, 1, None)
+    return root
+
+
+def _same_training(ref_dir: Path, run_dir: Path) -> None:
+    ref, got = read_metrics(ref_dir), read_metrics(run_dir)
     assert [r.get("loss") for r in got] == [r.get("loss") for r in ref]
     assert [r.get("grad_norm") for r in got] == [r.get("grad_norm") for r in ref]
     assert got[-1]["val_loss"] == ref[-1]["val_loss"]
-    pr, pg = dit_params(tmp_path / "ref"), dit_params(tmp_path / "mem")
+    pr, pg = dit_params(ref_dir), dit_params(run_dir)
     assert all(torch.equal(pr[k], pg[k]) for k in pr), [k for k in pr if not torch.equal(pr[k], pg[k])]
+
+
+def test_recompute_and_offload_in_the_pipeline_are_bitwise_identical(reference: Path, tmp_path: Path) -> None:
+    # 4 blocks: recompute 0.5 -> 2 recomputed; offload 0.5 of the other 2 -> 1 offloaded, 1 kept
+    dit = {"ranks": [1], "recompute": 0.5, "offload": 0.5}
+    _run(tmp_path / "mem", 2, {"text": [0], "vae": [0], "dit": dit})
+    _same_training(reference, tmp_path / "mem")
+    got = read_metrics(tmp_path / "mem")
     offloaded = [r["offloaded_bytes"] for r in got if "offloaded_bytes" in r]
     assert len(offloaded) == 2 and 0 < offloaded[0] < offloaded[1]  # cumulative, every step moved some
     assert not list((tmp_path / "mem" / "spill" / "rank1").glob("*.bin"))  # every tensor came back
+
+
+def test_a_policy_per_block_from_the_config_with_offload_events(reference: Path, tmp_path: Path) -> None:
+    """``memory.dit.blocks=[offload, recompute, selective, keep]``: bitwise the same training, and
+    every DiT forward records the bytes it offloaded, every backward the time it waited for them."""
+    blocks = StageMemoryConfig(blocks=["offload", "recompute", "selective", "keep"])
+    _run(tmp_path / "blocks", 2, {"text": [0], "vae": [0], "dit": [1]}, {"dit": blocks})
+    _same_training(reference, tmp_path / "blocks")
+    events = [e for e in read_events(tmp_path / "blocks") if e["stage"] == "dit" and e["phase"] == "train"]
+    forwards = [e for e in events if e["kind"] == "F"]
+    backwards = [e for e in events if e["kind"] == "B"]
+    assert len(forwards) == len(backwards) == 2 * 4  # 2 steps x 4 micro-batches
+    assert len({e["offloaded_bytes"] for e in forwards}) == 1 and forwards[0]["offloaded_bytes"] > 0
+    assert all(e["offload_wait_s"] > 0 for e in backwards) and not any("offloaded_bytes" in e for e in backwards)
+    total = read_metrics(tmp_path / "blocks")[-1]["offloaded_bytes"]
+    assert sum(e["offloaded_bytes"] for e in forwards) == total  # the metrics count the same bytes

@@ -98,3 +98,30 @@ def test_memory_config_errors_name_the_values() -> None:
         StageMemoryConfig(policy="auto")
     with pytest.raises(ValueError, match="budget_gb=3.0 is only used with policy=auto"):
         StageMemoryConfig(policy="keep", budget_gb=3.0)
+
+
+def test_policy_per_block_from_the_config(tiny_wan_dir) -> None:
+    """``memory.dit.blocks`` reaches the plan as one letter per block (fractions counted for the cost
+    model); ``selective`` covers every block; bad lists are refused before anything starts."""
+    from mmpipe.config import LaunchConfig, RunConfig, StageMemoryConfig, from_dict
+    from mmpipe.pipelines import build_t2v_training_graph
+    from mmpipe.sched.plan import PlanError
+    from mmpipe.train import make_plans
+
+    graph = build_t2v_training_graph(tiny_wan_dir, text_len=16)
+
+    def dit(memory: dict) -> object:
+        plan, _ = make_plans(graph, RunConfig(launch=LaunchConfig(nproc=2), memory=memory))
+        return plan.groups["dit"]
+
+    group = dit({"dit": StageMemoryConfig(blocks=["offload", "recompute", "selective", "keep"])})
+    assert (group.blocks, group.recompute, group.offload) == ("orsk", 0.25, 0.25)
+    assert dit({"dit": StageMemoryConfig(policy="selective")}).blocks == "ssss"
+    with pytest.raises(PlanError, match="memory.dit.blocks names 2 policies; stage 'dit' has 4 repeated blocks"):
+        dit({"dit": StageMemoryConfig(blocks=["offload", "keep"])})
+    with pytest.raises(PlanError, match="memory.text.blocks: stage 'text' runs no backward"):
+        dit({"text": StageMemoryConfig(blocks=["keep", "keep"])})
+    with pytest.raises(ValueError, match=r"memory.dit.blocks\[1\]='bogus': expected one of"):
+        from_dict(RunConfig, {"memory": {"dit": {"blocks": ["keep", "bogus"]}}})
+    with pytest.raises(ValueError, match="give a policy or a list per block"):
+        StageMemoryConfig(policy="recompute", blocks=["keep"])
