@@ -7,9 +7,16 @@ torch, diffusers and transformers are imported.
 from __future__ import annotations
 
 import importlib
+import os
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+# Without an NVIDIA GPU, mmpipe's Triton kernels (model.kernels.*=triton) run in Triton's CPU
+# interpreter. The switch must precede the first `import triton` (diffusers imports it), so it is
+# set here, before anything else is imported; an explicit TRITON_INTERPRET wins.
+if not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 _EXPORTS = {
     "Capabilities": "mmpipe.graph",

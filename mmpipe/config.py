@@ -40,6 +40,16 @@ class VideoSize:
 
 
 @dataclasses.dataclass(kw_only=True)
+class KernelConfig:
+    """Which implementation each DiT hot path uses (``model.kernels.rope=triton``): ``torch`` (default),
+    ``triton`` (``mmpipe.kernels``; interpreted on CPU, for tests), ``auto`` (Triton on CUDA)."""
+
+    attention: Literal["torch", "triton", "xformers", "auto"] = "torch"
+    norm_modulate: Literal["torch", "triton", "auto"] = "torch"
+    rope: Literal["torch", "triton", "auto"] = "torch"
+
+
+@dataclasses.dataclass(kw_only=True)
 class ModelConfig:
     """The text-to-video model: a local diffusers WanPipeline directory, or a tiny random preset."""
 
@@ -58,6 +68,7 @@ class ModelConfig:
     # (diffusers / transformers kwargs; ``class`` picks the family) and the per-sample video size.
     arch: dict[str, Any] | None = None
     video: VideoSize | None = None
+    kernels: KernelConfig = dataclasses.field(default_factory=KernelConfig)
 
     def __post_init__(self) -> None:
         _positive("model", self, "text_dim", "text_len", "dit_heads", "dit_head_dim", "dit_layers", "vae_base_dim")

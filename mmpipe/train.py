@@ -31,6 +31,7 @@ from mmpipe.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoin
 from mmpipe.config import DataConfig, ModelConfig, RunConfig, StageParallelConfig, from_dict, to_dict
 from mmpipe.data import FolderVideoDataset, MovingShapesDataset, caption_vocabulary
 from mmpipe.graph import Graph
+from mmpipe.kernels import registry as kernels
 from mmpipe.pipelines import T2V_TRAIN_STAGES, U2G_TRAIN_STAGES, build_t2v_training_graph, build_u2g_training_graph
 from mmpipe.presets import VISION_IMAGE_SIZE, save_tiny_u2g_pipeline, save_tiny_wan_pipeline
 from mmpipe.runtime.events import EventRecorder
@@ -426,6 +427,7 @@ def train(cfg: RunConfig) -> TrainResult:
             f"`mmpipe plan model={cfg.model.name}`, or train local weights with model.path=DIR"
         )
     check_placement(cfg)
+    kernel_choice(cfg)  # an unavailable kernel is an error before anything is written
     run_dir, graph = prepare_run(cfg)
     if cfg.placement == "auto":
         cfg = dataclasses.replace(cfg, placement=auto_placement(graph, cfg))
@@ -548,11 +550,17 @@ class _Loop:
         return self.reduce(total.reshape(1))[0].item() / len(chunks)
 
 
+def kernel_choice(cfg: RunConfig) -> kernels.KernelChoice:
+    """``model.kernels`` resolved for this runtime's devices (CPU ranks; Triton runs interpreted)."""
+    return kernels.resolve(kernels.KernelChoice(**dataclasses.asdict(cfg.model.kernels)), "cpu")
+
+
 def run_rank(cfg: RunConfig, graph: Graph, *, rank: int, world_size: int) -> TrainResult:
     """The training loop of one rank (all ranks run it; rank 0 logs and shows progress)."""
     tc = cfg.train
     if tc.threads:
         torch.set_num_threads(tc.threads)
+    kernels.configure(kernel_choice(cfg))
     loop = _Loop(cfg, graph, rank, world_size)
     run_dir, lead = loop.run_dir, loop.lead
     start = 0

@@ -17,6 +17,7 @@ Legend: B batch, Z latent channels, t/h/w latent frames/height/width, L text tok
 from __future__ import annotations
 
 import abc
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, cast
 
@@ -26,6 +27,8 @@ from diffusers import HunyuanVideoTransformer3DModel, WanTransformer3DModel
 from torch import nn
 
 from mmpipe.graph import Capabilities, TensorSpec
+from mmpipe.kernels.registry import KernelChoice
+from mmpipe.kernels.wan import GridRotary, use_kernels
 from mmpipe.parallel.modules import JointSequenceParallelProcessor, SequenceParallelProcessor, SequenceState
 from mmpipe.parallel.sequence import SequenceMesh, check_heads
 from mmpipe.runtime.reshard import Region
@@ -116,6 +119,11 @@ class FlowMatchingDiTStage(SourcedStage):
     def apply_sequence_hooks(self, module: nn.Module, state: SequenceState) -> None:
         """Wrap the module's self-attention processors and position embedding for ``state``."""
 
+    def use_kernels(self, module: nn.Module, choice: KernelChoice) -> None:
+        """Swap the chosen non-``torch`` kernels (``mmpipe.kernels``) into the module."""
+        if choice != KernelChoice():
+            raise ValueError(f"stage {self.name!r}: mmpipe's kernels cover the Wan DiT, not {type(self).__name__}")
+
     def forward(
         self,
         module: nn.Module,
@@ -160,17 +168,25 @@ class FlowMatchingDiTStage(SourcedStage):
         """The module's velocity prediction for the noised latents."""
 
 
-def _rotary_for_shard(state: SequenceState, *, token_dim: int) -> Callable[..., tuple[torch.Tensor, ...]]:
+def _rotary_for_shard(state: SequenceState, *, token_dim: int) -> Callable[..., tuple[torch.Tensor, ...] | GridRotary]:
     """A forward hook for a rotary module called on this rank's latent frames: the table of the
     whole frame grid (the module reads only the input's shape), cut to this rank's tokens."""
 
-    def hook(rope: nn.Module, args: tuple[Any, ...], _: Any) -> tuple[torch.Tensor, ...]:
+    def hook(rope: nn.Module, args: tuple[Any, ...], _: Any) -> tuple[torch.Tensor, ...] | GridRotary:
         (local_BZthw,) = args
         assert state.length is not None
         shape = (*local_BZthw.shape[:2], state.length // state.unit, *local_BZthw.shape[3:])
         whole = local_BZthw.new_empty(()).expand(shape)  # the shape, without the memory
         layout, index = state.token_mesh.layout, state.mesh.index
-        return tuple(layout.shard(f, token_dim, index) for f in rope.forward(whole))
+        out = rope.forward(whole)
+        if isinstance(out, GridRotary):  # the rope kernel's grid: this rank's tokens start at its offset
+            ranges = layout.ranges(state.length, index)
+            if len(ranges) != 1:
+                raise ValueError(
+                    f"the rope kernel needs one contiguous token range per rank, rank {index} has {ranges}"
+                )
+            return dataclasses.replace(out, token_offset=ranges[0][0])
+        return tuple(layout.shard(f, token_dim, index) for f in out)
 
     return hook
 
@@ -187,6 +203,9 @@ class WanDiTFlowMatchingStage(FlowMatchingDiTStage):
         for block in cast(Any, module).blocks:
             block.attn1.set_processor(SequenceParallelProcessor(block.attn1.processor, state))
         cast(Any, module).rope.register_forward_hook(_rotary_for_shard(state, token_dim=1))
+
+    def use_kernels(self, module: nn.Module, choice: KernelChoice) -> None:
+        use_kernels(module, choice)
 
     def predict(
         self, module: nn.Module, xs_BZthw: torch.Tensor, timestep_B: torch.Tensor, context_BLD: torch.Tensor

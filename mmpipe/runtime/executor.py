@@ -27,6 +27,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from mmpipe.graph import INPUT, Edge, Graph
+from mmpipe.kernels import registry as kernels
 from mmpipe.memory.policy import BLOCK_LETTERS, BlockPolicy, FileTier, apply_block_policies, block_policies
 from mmpipe.parallel.sequence import SequenceLayout
 from mmpipe.runtime.events import EventRecorder
@@ -93,10 +94,13 @@ class Executor:
         }
 
     def _build(self, stage: str) -> nn.Module:
-        # Order of parallelisms (DESIGN.md): sequence parallel -> activation policy -> compile -> FSDP2.
+        # Order (DESIGN.md): kernels -> sequence parallel -> activation policy -> compile -> FSDP2.
         st = self.graph.stages[stage]
         module = st.module
         group = self.groups[stage]
+        choice = kernels.chosen()
+        if choice != kernels.KernelChoice() and hasattr(st, "use_kernels"):  # opt-in (model.kernels)
+            st.use_kernels(module, choice)
         if group.sp > 1:
             st.check_sequence_parallel(group.ulysses, group.ring)
             st.parallelize_sequence(module, self.mesh.sequence_mesh(stage, zigzag=st.sequence_causal))

@@ -1,0 +1,30 @@
+"""Whether Triton kernels can run here, and how.
+
+On a machine without an NVIDIA GPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``,
+numpy on the CPU: slow, for tests and tiny shapes only). The switch has to be set before ``triton``
+is first imported (its own library functions are decorated then); ``mmpipe/__init__.py`` sets it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+AVAILABLE = importlib.util.find_spec("triton") is not None
+"""Whether the ``triton`` package is installed (``pip install mmpipe[triton]``)."""
+
+INTERPRETED = False
+"""Kernels run in Triton's CPU interpreter (no GPU): correct but slow."""
+if AVAILABLE:
+    import triton
+
+    INTERPRETED = bool(triton.knobs.runtime.interpret)
+
+
+def can_run(*tensors: torch.Tensor) -> bool:
+    """Whether the Triton kernels can take these tensors: CUDA tensors with Triton installed, or CPU
+    tensors under the interpreter."""
+    if not AVAILABLE:
+        return False
+    return all(t.is_cuda for t in tensors) or (INTERPRETED and all(t.device.type == "cpu" for t in tensors))

@@ -1,0 +1,185 @@
+"""Fused normalisation + AdaLN modulation, as video DiTs apply it before attention and the MLP.
+
+``norm_modulate(x, shift, scale) = norm(x) * (1 + scale) + shift``, with ``norm`` a LayerNorm
+without affine parameters (Wan's ``FP32LayerNorm(elementwise_affine=False)``) or an RMSNorm,
+computed in float32 (float64 for float64 inputs) and returned in ``x``'s dtype. ``shift`` and
+``scale`` are per sample (``B1D``, Wan 2.1) or per token (``BSD``, Wan 2.2 TI2V).
+
+One Triton program normalises one row (token) in registers and applies the modulation in the same
+pass: one read of ``x`` and one write of the output instead of eager PyTorch's five elementwise
+kernels. The backward recomputes the row statistics it saved (mean and 1/std, 8 bytes a token).
+
+Legend: B batch, S tokens, D channels.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mmpipe.kernels._triton import AVAILABLE, can_run
+
+if AVAILABLE:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _norm_modulate_fwd_kernel(
+        x_ptr, shift_ptr, scale_ptr, out_ptr, mean_ptr, rstd_ptr,
+        S, D, mod_sb, mod_ss, eps,
+        RMS: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0)
+        b = row // S
+        s = row % S
+        cols = tl.arange(0, BLOCK_D)
+        mask = cols < D
+        x = tl.load(x_ptr + row * D + cols, mask=mask, other=0.0).to(ACC)
+        if RMS:
+            mean = tl.zeros((), dtype=ACC)
+            xc = x
+        else:
+            mean = tl.sum(x, axis=0) / D
+            xc = tl.where(mask, x - mean, 0.0)
+        var = tl.sum(xc * xc, axis=0) / D
+        rstd = 1.0 / tl.sqrt(var + eps)
+        mod = b * mod_sb + s * mod_ss + cols
+        shift = tl.load(shift_ptr + mod, mask=mask, other=0.0).to(ACC)
+        scale = tl.load(scale_ptr + mod, mask=mask, other=0.0).to(ACC)
+        y = xc * rstd * (1.0 + scale) + shift
+        tl.store(out_ptr + row * D + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(mean_ptr + row, mean)
+        tl.store(rstd_ptr + row, rstd)
+
+    @triton.jit
+    def _norm_modulate_bwd_kernel(
+        dy_ptr, x_ptr, scale_ptr, mean_ptr, rstd_ptr, dx_ptr, dyxhat_ptr,
+        S, D, mod_sb, mod_ss,
+        RMS: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0)
+        b = row // S
+        s = row % S
+        cols = tl.arange(0, BLOCK_D)
+        mask = cols < D
+        x = tl.load(x_ptr + row * D + cols, mask=mask, other=0.0).to(ACC)
+        dy = tl.load(dy_ptr + row * D + cols, mask=mask, other=0.0).to(ACC)
+        scale = tl.load(scale_ptr + b * mod_sb + s * mod_ss + cols, mask=mask, other=0.0).to(ACC)
+        mean = tl.load(mean_ptr + row)
+        rstd = tl.load(rstd_ptr + row)
+        xhat = tl.where(mask, (x - mean) * rstd, 0.0)
+        g = dy * (1.0 + scale)  # d(loss)/d(xhat)
+        c2 = tl.sum(g * xhat, axis=0) / D
+        if RMS:
+            dx = (g - xhat * c2) * rstd
+        else:
+            c1 = tl.sum(g, axis=0) / D
+            dx = (g - c1 - xhat * c2) * rstd
+        tl.store(dx_ptr + row * D + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        tl.store(dyxhat_ptr + row * D + cols, dy * xhat, mask=mask)
+
+
+def _acc_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def norm_modulate_reference(
+    x_BSD: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, *, rms: bool = False, eps: float = 1e-6
+) -> torch.Tensor:
+    """Eager PyTorch, as Wan's block writes it: ``(norm(x.float()) * (1 + scale) + shift).type_as(x)``."""
+    acc = _acc_dtype(x_BSD)
+    x = x_BSD.to(acc)
+    if rms:
+        xhat = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    else:
+        xhat = torch.nn.functional.layer_norm(x, (x.shape[-1],), eps=eps)
+    return (xhat * (1 + scale.to(acc)) + shift.to(acc)).to(x_BSD.dtype)
+
+
+def _check(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> tuple[int, int]:
+    if x.ndim != 3:
+        raise ValueError(f"norm_modulate expects x of shape (B, S, D), got {tuple(x.shape)}")
+    B, S, D = x.shape
+    for name, t in (("shift", shift), ("scale", scale)):
+        if t.shape not in ((B, 1, D), (B, S, D)):
+            raise ValueError(
+                f"norm_modulate: {name} must be (B, 1, D) or (B, S, D) = {(B, S, D)}, got {tuple(t.shape)}"
+            )
+    if shift.shape != scale.shape:
+        raise ValueError(f"norm_modulate: shift {tuple(shift.shape)} and scale {tuple(scale.shape)} differ")
+    return (S * D, D) if shift.shape[1] == S and S > 1 else (D, 0)  # modulation strides (sample, token)
+
+
+@torch.library.custom_op("mmpipe::norm_modulate_fwd", mutates_args=())
+def _fwd(
+    x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, rms: bool, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if not can_run(x, shift, scale):
+        raise RuntimeError("norm_modulate's Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1 on CPU)")
+    mod_sb, mod_ss = _check(x, shift, scale)
+    B, S, D = x.shape
+    x, shift, scale = x.contiguous(), shift.contiguous(), scale.contiguous()
+    acc = _acc_dtype(x)
+    out = torch.full_like(x, float("nan"))  # poisoned: an element the kernel misses stays NaN
+    mean = torch.full((B * S,), float("nan"), dtype=acc, device=x.device)
+    rstd = torch.full((B * S,), float("nan"), dtype=acc, device=x.device)
+    if B * S:
+        _norm_modulate_fwd_kernel[(B * S,)](
+            x, shift, scale, out, mean, rstd, S, D, mod_sb, mod_ss, eps,
+            RMS=rms, BLOCK_D=triton.next_power_of_2(D), ACC=tl.float64 if acc == torch.float64 else tl.float32,
+        )  # fmt: skip
+    return out, mean, rstd
+
+
+@_fwd.register_fake
+def _(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, rms: bool, eps: float):  # type: ignore[no-untyped-def]
+    B, S, _ = x.shape
+    acc = _acc_dtype(x)
+    return torch.empty_like(x), x.new_empty((B * S,), dtype=acc), x.new_empty((B * S,), dtype=acc)
+
+
+@torch.library.custom_op("mmpipe::norm_modulate_bwd", mutates_args=())
+def _bwd(
+    dy: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor, rms: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    mod_sb, mod_ss = _check(x, scale, scale)
+    B, S, D = x.shape
+    dy, x, scale = dy.contiguous(), x.contiguous(), scale.contiguous()
+    dx = torch.full_like(x, float("nan"))
+    dyxhat = torch.full(x.shape, float("nan"), dtype=mean.dtype, device=x.device)
+    if B * S:
+        _norm_modulate_bwd_kernel[(B * S,)](
+            dy, x, scale, mean, rstd, dx, dyxhat, S, D, mod_sb, mod_ss,
+            RMS=rms, BLOCK_D=triton.next_power_of_2(D), ACC=tl.float64 if mean.dtype == torch.float64 else tl.float32,
+        )  # fmt: skip
+    per_token = scale.shape[1] == S and S > 1
+    dshift = dy.to(mean.dtype, copy=True) if per_token else dy.to(mean.dtype).sum(1, keepdim=True)
+    dscale = dyxhat if per_token else dyxhat.sum(1, keepdim=True)
+    return dx, dshift.to(scale.dtype), dscale.to(scale.dtype, copy=per_token and scale.dtype == mean.dtype)
+
+
+@_bwd.register_fake
+def _(dy, x, scale, mean, rstd, rms):  # type: ignore[no-untyped-def]
+    return torch.empty_like(x), torch.empty_like(scale), torch.empty_like(scale)
+
+
+def _setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
+    x, shift, scale, rms, _ = inputs
+    _, mean, rstd = output
+    ctx.save_for_backward(x, scale, mean, rstd)
+    ctx.rms = rms
+
+
+def _backward(ctx, dout, _dmean, _drstd):  # type: ignore[no-untyped-def]
+    x, scale, mean, rstd = ctx.saved_tensors
+    dx, dshift, dscale = _bwd(dout, x, scale, mean, rstd, ctx.rms)
+    return dx, dshift, dscale, None, None
+
+
+_fwd.register_autograd(_backward, setup_context=_setup)
+
+
+def norm_modulate(
+    x_BSD: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, *, rms: bool = False, eps: float = 1e-6
+) -> torch.Tensor:
+    """``norm(x) * (1 + scale) + shift`` in one Triton kernel (forward and backward); see the module."""
+    return _fwd(x_BSD, shift, scale, rms, eps)[0]

@@ -1,0 +1,138 @@
+"""Rotary position embedding over 3-D (frame, height, width) token positions, as the Wan DiT applies it.
+
+Wan splits each head's channels into a time, a height and a width part (``t = D - 4 (D // 6)``,
+``h = w = 2 (D // 6)`` channels) and rotates consecutive channel pairs ``(x[2i], x[2i + 1])`` by
+``position * theta ** (-2j / part)``, with the token's frame, row or column as the position for
+its part (diffusers' ``WanRotaryPosEmbed`` + ``apply_rotary_emb``). Eager PyTorch materialises
+``(S, D)`` cosine and sine tables and runs six elementwise kernels per tensor; the Triton kernel
+computes each token's angles once (in float64) from its index in the ``(F, H, W)`` grid and rotates
+all heads in one read and one write. The backward is the inverse rotation.
+
+``token_offset`` is the index of the first token of ``x`` in the whole grid (a sequence-parallel
+rank holding frames ``f0 ..`` passes ``f0 * H * W``).
+
+Legend: B batch, S tokens, N heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from mmpipe.kernels._triton import AVAILABLE, can_run
+
+if AVAILABLE:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _rope3d_kernel(
+        x_ptr, out_ptr, inv_ptr, axis_ptr,
+        S, N, GH, GW, token_offset,
+        HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr,
+        INVERSE: tl.constexpr, ACC: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0)  # one token of one sample: all its heads
+        g = row % S + token_offset
+        f = g // (GH * GW)
+        h = (g // GW) % GH
+        w = g % GW
+        p = tl.arange(0, BLOCK_P)
+        pmask = p < HALF
+        inv = tl.load(inv_ptr + p, mask=pmask, other=0.0)  # float64
+        axis = tl.load(axis_ptr + p, mask=pmask, other=0)
+        pos = tl.where(axis == 0, f, tl.where(axis == 1, h, w)).to(tl.float64)
+        angle = pos * inv
+        cos = tl.cos(angle).to(ACC)
+        sin = tl.sin(angle).to(ACC)
+        if INVERSE:
+            sin = -sin
+        n = tl.arange(0, BLOCK_N)
+        mask = (n[:, None] < N) & pmask[None, :]
+        offs = row * N * 2 * HALF + n[:, None] * 2 * HALF + 2 * p[None, :]
+        x1 = tl.load(x_ptr + offs, mask=mask, other=0.0).to(ACC)
+        x2 = tl.load(x_ptr + offs + 1, mask=mask, other=0.0).to(ACC)
+        y1 = x1 * cos[None, :] - x2 * sin[None, :]
+        y2 = x1 * sin[None, :] + x2 * cos[None, :]
+        tl.store(out_ptr + offs, y1.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + offs + 1, y2.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@functools.cache
+def _tables(head_dim: int, theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per channel pair: its inverse frequency (float64) and the grid axis (0 frame, 1 row, 2 column)."""
+    if head_dim % 2:
+        raise ValueError(f"rope3d needs an even head dim, got {head_dim}")
+    h_dim = w_dim = 2 * (head_dim // 6)
+    t_dim = head_dim - h_dim - w_dim
+    inv, axis = [], []
+    for a, dim in enumerate((t_dim, h_dim, w_dim)):
+        j = torch.arange(0, dim, 2, dtype=torch.float64)[: dim // 2]
+        inv.append(1.0 / (theta ** (j / dim)))
+        axis.append(torch.full((dim // 2,), a, dtype=torch.int32))
+    return torch.cat(inv).to(device), torch.cat(axis).to(device)
+
+
+def rope3d_reference(
+    x_BSND: torch.Tensor, grid: tuple[int, int, int], *, theta: float = 10000.0, token_offset: int = 0
+) -> torch.Tensor:
+    """Plain PyTorch: the angles in float64, the rotation in float32 (float64 for float64 inputs)."""
+    _, S, _, D = x_BSND.shape
+    inv, axis = _tables(D, theta, x_BSND.device)
+    g = torch.arange(token_offset, token_offset + S, device=x_BSND.device)
+    _, gh, gw = grid
+    pos_S3 = torch.stack([g // (gh * gw), (g // gw) % gh, g % gw], dim=-1).to(torch.float64)
+    angle_SP = pos_S3[:, axis.long()] * inv
+    acc = torch.float64 if x_BSND.dtype == torch.float64 else torch.float32
+    cos, sin = angle_SP.cos().to(acc)[None, :, None], angle_SP.sin().to(acc)[None, :, None]
+    x1, x2 = x_BSND.to(acc).unflatten(-1, (-1, 2)).unbind(-1)
+    return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2).to(x_BSND.dtype)
+
+
+@torch.library.custom_op("mmpipe::rope3d", mutates_args=())
+def _rope3d(x: torch.Tensor, gh: int, gw: int, token_offset: int, theta: float, inverse: bool) -> torch.Tensor:
+    if not can_run(x):
+        raise RuntimeError("rope3d's Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1 on CPU)")
+    B, S, N, D = x.shape
+    inv, axis = _tables(D, theta, x.device)
+    x = x.contiguous()
+    out = torch.full_like(x, float("nan"))  # poisoned: an element the kernel misses stays NaN
+    if x.numel():
+        _rope3d_kernel[(B * S,)](
+            x, out, inv, axis, S, N, gh, gw, token_offset,
+            HALF=D // 2, BLOCK_N=triton.next_power_of_2(N), BLOCK_P=triton.next_power_of_2(D // 2),
+            INVERSE=inverse, ACC=tl.float64 if x.dtype == torch.float64 else tl.float32,
+        )  # fmt: skip
+    return out
+
+
+@_rope3d.register_fake
+def _(x, gh, gw, token_offset, theta, inverse):  # type: ignore[no-untyped-def]
+    return torch.empty_like(x)
+
+
+def _setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
+    _, ctx.gh, ctx.gw, ctx.token_offset, ctx.theta, ctx.inverse = inputs
+
+
+def _backward(ctx, dout):  # type: ignore[no-untyped-def]
+    # a rotation's transpose is the opposite rotation
+    return _rope3d(dout, ctx.gh, ctx.gw, ctx.token_offset, ctx.theta, not ctx.inverse), None, None, None, None, None
+
+
+_rope3d.register_autograd(_backward, setup_context=_setup)
+
+
+def rope3d(
+    x_BSND: torch.Tensor, grid: tuple[int, int, int], *, theta: float = 10000.0, token_offset: int = 0
+) -> torch.Tensor:
+    """Rotate ``x`` (``B, S, heads, D``) by its tokens' 3-D positions in the ``(F, H, W)`` ``grid``."""
+    if x_BSND.ndim != 4:
+        raise ValueError(f"rope3d expects x of shape (B, S, heads, D), got {tuple(x_BSND.shape)}")
+    f, gh, gw = grid
+    if token_offset + x_BSND.shape[1] > f * gh * gw:
+        raise ValueError(
+            f"rope3d: tokens {token_offset}..{token_offset + x_BSND.shape[1]} exceed the grid {grid} ({f * gh * gw})"
+        )
+    return _rope3d(x_BSND, gh, gw, token_offset, theta, False)
