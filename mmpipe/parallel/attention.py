@@ -13,6 +13,9 @@ backward. Backends are chosen once, by :func:`select_backend` (device and dtype,
   tests). Returns the LSE.
 - ``sdpa``: ``F.scaled_dot_product_attention``, whichever kernel PyTorch dispatches to; no LSE, so
   it serves Ulysses and unsplit attention and refuses ring mode.
+- ``triton``: mmpipe's own FlashAttention kernels (``mmpipe.kernels.attention``, custom ops
+  ``mmpipe::flash_attn_fwd`` / ``mmpipe::flash_attn_bwd``) on CUDA, any float dtype, head dims 16 to 128
+  (powers of two); on CPU only in Triton's interpreter (tests). Returns the LSE; needs ``triton``.
 
 Legend: B batch, H heads, S query length, T key length, D head dim. Layout is ``BHSD`` throughout.
 """
@@ -38,6 +41,7 @@ class AttentionBackend(enum.StrEnum):
     TORCH = "torch"
     MATH = "math"
     SDPA = "sdpa"
+    TRITON = "triton"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,23 +136,59 @@ def _math_backward(
     return (ds_BHST @ k) * scale, (ds_BHST.transpose(-1, -2) @ q) * scale, dv
 
 
+def _triton_forward(
+    q_BHSD: torch.Tensor, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from mmpipe.kernels.attention import flash_attn_fwd  # imports triton: only when used
+
+    return flash_attn_fwd(q_BHSD, k_BHTD, v_BHTD, causal, scale)
+
+
+def _triton_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from mmpipe.kernels.attention import flash_attn_bwd
+
+    return flash_attn_bwd(dout, q, k, v, out, lse, causal, scale)
+
+
 _BACKENDS = {
     AttentionBackend.TORCH: AttentionImpl(AttentionBackend.TORCH, _torch_forward, _torch_backward),
     AttentionBackend.MATH: AttentionImpl(AttentionBackend.MATH, _math_forward, _math_backward),
     AttentionBackend.SDPA: AttentionImpl(AttentionBackend.SDPA, None, None),
+    AttentionBackend.TRITON: AttentionImpl(AttentionBackend.TRITON, _triton_forward, _triton_backward),
 }
 
 
 def select_backend(name: str | AttentionBackend | None = None, *, device: torch.device | str = "cpu") -> AttentionImpl:
-    """The backend named ``name`` (a config value), or the default for ``device``: ``torch``."""
-    if name is None:
-        return _BACKENDS[AttentionBackend.TORCH]
+    """The backend named ``name`` (a config value), or the run's choice (``model.kernels.attention``,
+    see ``mmpipe.kernels.registry``; ``torch`` by default)."""
+    if name is None:  # the run's choice (model.kernels.attention), "torch" unless it picked another
+        from mmpipe.kernels.registry import chosen
+
+        name = chosen().attention
     try:
-        return _BACKENDS[AttentionBackend(name)]
+        backend = AttentionBackend(name)
     except ValueError:
         raise ValueError(
             f"unknown attention backend {name!r} (choose from {[b.value for b in AttentionBackend]})"
         ) from None
+    if backend == AttentionBackend.TRITON:
+        from mmpipe.kernels._triton import AVAILABLE
+
+        if not AVAILABLE:
+            raise ValueError(
+                "attention backend 'triton' needs the triton package, which is not installed "
+                "(pip install mmpipe[triton], Linux only); use 'torch' instead"
+            )
+    return _BACKENDS[backend]
 
 
 def masked_attention_with_lse(

@@ -123,7 +123,7 @@ def test_wan_dit_with_the_kernels_swapped_in_matches_the_stock_model() -> None:
     seed = _seed()
     stock = _tiny_wan()
     fused = copy.deepcopy(stock)
-    use_kernels(fused, KernelChoice(norm_modulate="triton", rope="triton"))
+    use_kernels(fused, KernelChoice(attention="triton", norm_modulate="triton", rope="triton"))
     latents = torch.randn(2, 4, 3, 8, 10, dtype=torch.float64)
     t, context = torch.tensor([100.0, 700.0]), torch.randn(2, 6, 32, dtype=torch.float64)
     outs = []

@@ -1,0 +1,161 @@
+"""Median times of mmpipe's Triton kernels against their baselines, side by side in one run.
+
+    python benchmarks/kernels.py            # DiT-realistic shapes on a GPU; tiny interpreted shapes on CPU
+
+Per kernel and shape: ours (Triton, forward + backward) against PyTorch eager (norm + modulate,
+rotary) or SDPA (attention: the flash backend on CUDA) and xformers where installed, with achieved
+TFLOP/s (attention) or GB/s (elementwise kernels) next to this device's measured ceilings (a large
+matmul, a large copy). On a GPU the times are ``triton.testing.do_bench`` medians. Without one the
+kernels run in Triton's CPU interpreter at tiny shapes: those rows check that the script and the
+kernels run end to end (``"interpreted": true``); their times say nothing about the kernels.
+
+The last output line is one JSON object ``{"device", "interpreted", "ceilings", "results": [...]}``,
+each result with ``kernel``, ``shape``, ``ours_ms``, ``baseline``, ``baseline_ms``, ``speedup``.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import mmpipe  # noqa: F401  (sets up Triton's interpreter on machines without a GPU)
+from mmpipe.kernels import _triton
+from mmpipe.kernels.norm import norm_modulate, norm_modulate_reference
+from mmpipe.kernels.rope import rope3d, rope3d_reference
+
+CUDA = torch.cuda.is_available()
+
+
+def bench(fn: Callable[[], Any]) -> float:
+    """Median milliseconds of ``fn``."""
+    if CUDA:
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=25, rep=100))
+    fn()
+    times = []
+    for _ in range(3):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+def ceilings(device: torch.device) -> dict[str, float]:
+    """This device's matmul TFLOP/s and copy GB/s (what the kernels' figures are compared with)."""
+    n = 8192 if CUDA else 512
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    mm = bench(lambda: a @ b)
+    x = torch.empty(256 * 2**20 if CUDA else 16 * 2**20, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    cp = bench(lambda: y.copy_(x))
+    return {"matmul_tflops": 2 * n**3 / mm / 1e9, "copy_gb_s": 2 * x.numel() / cp / 1e6}
+
+
+def fwd_bwd(fn: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> Callable[[], None]:
+    grad = None
+
+    def run() -> None:
+        nonlocal grad
+        out = fn(*inputs)
+        grad = torch.ones_like(out) if grad is None else grad
+        torch.autograd.grad(out, [t for t in inputs if t.requires_grad], grad)
+
+    return run
+
+
+def row(kernel: str, shape: str, ours: float, baseline: str, base: float, **extra: float) -> dict[str, Any]:
+    r = {"kernel": kernel, "shape": shape, "ours_ms": ours, "baseline": baseline, "baseline_ms": base}
+    return r | {"speedup": base / ours} | extra
+
+
+def norm_rows(device: torch.device, dtype: torch.dtype) -> list[dict[str, Any]]:
+    out = []
+    shapes = [(1, 16384, 5120), (1, 65536, 5120)] if CUDA else [(1, 16, 64)]
+    for b, s, d in shapes:
+        x = torch.randn(b, s, d, device=device, dtype=dtype, requires_grad=True)
+        shift = torch.randn(b, 1, d, device=device, requires_grad=True)
+        scale = torch.randn(b, 1, d, device=device, requires_grad=True)
+        ours = bench(fwd_bwd(norm_modulate, x, shift, scale))
+        eager = bench(fwd_bwd(norm_modulate_reference, x, shift, scale))
+        moved = 5 * x.numel() * x.element_size()  # fwd: read x, write y; bwd: read x, dy, write dx
+        out.append(row("norm_modulate", f"B{b} S{s} D{d}", ours, "torch eager", eager, gb_s=moved / ours / 1e6))
+    return out
+
+
+def rope_rows(device: torch.device, dtype: torch.dtype) -> list[dict[str, Any]]:
+    out = []
+    cases = [((21, 45, 80), 40, 128), ((21, 90, 160), 40, 128)] if CUDA else [((2, 3, 4), 2, 64)]
+    for grid, heads, dim in cases:
+        tokens = grid[0] * grid[1] * grid[2]
+        x = torch.randn(1, tokens, heads, dim, device=device, dtype=dtype, requires_grad=True)
+        ours = bench(fwd_bwd(lambda t, g=grid: rope3d(t, g), x))
+        eager = bench(fwd_bwd(lambda t, g=grid: rope3d_reference(t, g), x))
+        moved = 4 * x.numel() * x.element_size()
+        shape = f"S{tokens} H{heads} D{dim}"
+        out.append(row("rope3d", shape, ours, "torch eager", eager, gb_s=moved / ours / 1e6))
+    return out
+
+
+def attention_rows(device: torch.device, dtype: torch.dtype) -> list[dict[str, Any]]:
+    try:
+        from mmpipe.kernels.attention import flash_attention
+    except ImportError:
+        return []
+    out = []
+    cases = [(4096, 24, 128), (16384, 40, 128), (65536, 40, 128)] if CUDA else [(32, 2, 64)]
+    for s, h, d in cases:
+        q, k, v = (torch.randn(1, h, s, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+        ours = bench(fwd_bwd(lambda a, b, c: flash_attention(a, b, c), q, k, v))
+        flops = 4 * s * s * h * d * 3.5  # forward (2 matmuls) + backward (5 matmuls), 2 FLOPs each
+        shape = f"S{s} H{h} D{d}"
+
+        def sdpa(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+            if CUDA:
+                from torch.nn.attention import SDPBackend, sdpa_kernel
+
+                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                    return F.scaled_dot_product_attention(a, b, c)
+            return F.scaled_dot_product_attention(a, b, c)
+
+        base = bench(fwd_bwd(sdpa, q, k, v))
+        out.append(row("attention", shape, ours, "sdpa flash" if CUDA else "sdpa", base, tflops=flops / ours / 1e9))
+        try:
+            import xformers.ops as xops
+
+            xf = bench(
+                fwd_bwd(
+                    lambda a, b, c: xops.memory_efficient_attention(a, b, c), *(t.transpose(1, 2) for t in (q, k, v))
+                )
+            )
+            out.append(row("attention", shape, ours, "xformers", xf, tflops=flops / ours / 1e9))
+        except ImportError:
+            pass
+    return out
+
+
+def main() -> None:
+    if not _triton.AVAILABLE or not (CUDA or _triton.INTERPRETED):
+        raise SystemExit(
+            "benchmarks/kernels.py needs triton (pip install 'mmpipe[triton]') and a GPU or TRITON_INTERPRET=1"
+        )
+    device = torch.device("cuda" if CUDA else "cpu")
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    name = torch.cuda.get_device_name() if CUDA else "cpu (Triton interpreter, tiny shapes: times are not kernel speed)"
+    results = norm_rows(device, dtype) + rope_rows(device, dtype) + attention_rows(device, dtype)
+    for r in results:
+        print(
+            f"{r['kernel']:>14} {r['shape']:>22}  ours {r['ours_ms']:9.3f} ms  {r['baseline']} {r['baseline_ms']:9.3f} ms  x{r['speedup']:.2f}"
+        )
+    print(json.dumps({"device": name, "interpreted": not CUDA, "ceilings": ceilings(device), "results": results}))
+
+
+if __name__ == "__main__":
+    main()
