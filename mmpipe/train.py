@@ -427,7 +427,9 @@ def train(cfg: RunConfig) -> TrainResult:
             f"`mmpipe plan model={cfg.model.name}`, or train local weights with model.path=DIR"
         )
     check_placement(cfg)
-    kernel_choice(cfg)  # an unavailable kernel is an error before anything is written
+    choice = kernel_choice(cfg)  # an unavailable kernel is an error before anything is written
+    if "triton" in dataclasses.astuple(choice):
+        logger.warning("model.kernels: the Triton kernels run in Triton's CPU interpreter here (tests only: very slow)")
     run_dir, graph = prepare_run(cfg)
     if cfg.placement == "auto":
         cfg = dataclasses.replace(cfg, placement=auto_placement(graph, cfg))
