@@ -26,7 +26,12 @@ import torch.nn.functional as F
 
 import mmpipe  # noqa: F401  (sets up Triton's interpreter on machines without a GPU)
 from mmpipe.kernels import _triton
-from mmpipe.kernels.norm import norm_modulate, norm_modulate_reference
+from mmpipe.kernels.norm import (
+    gated_norm_modulate,
+    gated_norm_modulate_reference,
+    norm_modulate,
+    norm_modulate_reference,
+)
 from mmpipe.kernels.rope import rope3d, rope3d_reference
 
 CUDA = torch.cuda.is_available()
@@ -87,6 +92,13 @@ def norm_rows(device: torch.device, dtype: torch.dtype) -> list[dict[str, Any]]:
         eager = bench(fwd_bwd(norm_modulate_reference, x, shift, scale))
         moved = 5 * x.numel() * x.element_size()  # fwd: read x, write y; bwd: read x, dy, write dx
         out.append(row("norm_modulate", f"B{b} S{s} D{d}", ours, "torch eager", eager, gb_s=moved / ours / 1e6))
+        y = torch.randn_like(x, requires_grad=True)
+        gate = torch.randn_like(shift, requires_grad=True)
+        ours = bench(fwd_bwd(lambda *t: sum(gated_norm_modulate(*t)), x, y, gate, shift, scale))
+        eager = bench(fwd_bwd(lambda *t: sum(gated_norm_modulate_reference(*t)), x, y, gate, shift, scale))
+        moved = 12 * x.numel() * x.element_size()  # fwd: x, y -> h, out; bwd: dout, dh, h, y -> dx, dy, 2 row sums
+        shape = f"B{b} S{s} D{d}"
+        out.append(row("gated_norm_modulate", shape, ours, "torch eager", eager, gb_s=moved / ours / 1e6))
     return out
 
 

@@ -77,6 +77,72 @@ if AVAILABLE:
         tl.store(dx_ptr + row * D + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
         tl.store(dyxhat_ptr + row * D + cols, dy * xhat, mask=mask)
 
+    @triton.jit
+    def _gated_fwd_kernel(
+        x_ptr, y_ptr, gate_ptr, shift_ptr, scale_ptr, h_ptr, out_ptr, mean_ptr, rstd_ptr,
+        S, D, mod_sb, mod_ss, eps,
+        RMS: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0)
+        b = row // S
+        s = row % S
+        cols = tl.arange(0, BLOCK_D)
+        mask = cols < D
+        mod = b * mod_sb + s * mod_ss + cols
+        x = tl.load(x_ptr + row * D + cols, mask=mask, other=0.0).to(ACC)
+        y = tl.load(y_ptr + row * D + cols, mask=mask, other=0.0).to(ACC)
+        gate = tl.load(gate_ptr + mod, mask=mask, other=0.0).to(ACC)
+        # the residual stream is kept in x's dtype, and normalised as stored (as the eager block does)
+        h_stored = (x + y * gate).to(h_ptr.dtype.element_ty)
+        tl.store(h_ptr + row * D + cols, h_stored, mask=mask)
+        h = h_stored.to(ACC)
+        if RMS:
+            mean = tl.zeros((), dtype=ACC)
+            hc = h
+        else:
+            mean = tl.sum(h, axis=0) / D
+            hc = tl.where(mask, h - mean, 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(hc * hc, axis=0) / D + eps)
+        shift = tl.load(shift_ptr + mod, mask=mask, other=0.0).to(ACC)
+        scale = tl.load(scale_ptr + mod, mask=mask, other=0.0).to(ACC)
+        tl.store(out_ptr + row * D + cols, (hc * rstd * (1.0 + scale) + shift).to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(mean_ptr + row, mean)
+        tl.store(rstd_ptr + row, rstd)
+
+    @triton.jit
+    def _gated_bwd_kernel(
+        dout_ptr, dh_ptr, h_ptr, y_ptr, gate_ptr, scale_ptr, mean_ptr, rstd_ptr,
+        dx_ptr, dy_ptr, dgate_ptr, doutxhat_ptr,
+        S, D, mod_sb, mod_ss,
+        RMS: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0)
+        b = row // S
+        s = row % S
+        cols = tl.arange(0, BLOCK_D)
+        mask = cols < D
+        mod = b * mod_sb + s * mod_ss + cols
+        h = tl.load(h_ptr + row * D + cols, mask=mask, other=0.0).to(ACC)
+        dout = tl.load(dout_ptr + row * D + cols, mask=mask, other=0.0).to(ACC)
+        dh = tl.load(dh_ptr + row * D + cols, mask=mask, other=0.0).to(ACC)
+        y = tl.load(y_ptr + row * D + cols, mask=mask, other=0.0).to(ACC)
+        gate = tl.load(gate_ptr + mod, mask=mask, other=0.0).to(ACC)
+        scale = tl.load(scale_ptr + mod, mask=mask, other=0.0).to(ACC)
+        mean = tl.load(mean_ptr + row)
+        rstd = tl.load(rstd_ptr + row)
+        hhat = tl.where(mask, (h - mean) * rstd, 0.0)
+        g = dout * (1.0 + scale)
+        c2 = tl.sum(g * hhat, axis=0) / D
+        if RMS:
+            dnorm = (g - hhat * c2) * rstd
+        else:
+            dnorm = (g - tl.sum(g, axis=0) / D - hhat * c2) * rstd
+        dtotal = dh + dnorm  # the residual stream's gradient: its later uses plus the norm's
+        tl.store(dx_ptr + row * D + cols, dtotal.to(dx_ptr.dtype.element_ty), mask=mask)
+        tl.store(dy_ptr + row * D + cols, (dtotal * gate).to(dy_ptr.dtype.element_ty), mask=mask)
+        tl.store(dgate_ptr + row * D + cols, dtotal * y, mask=mask)
+        tl.store(doutxhat_ptr + row * D + cols, dout * hhat, mask=mask)
+
 
 def _acc_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -183,3 +249,137 @@ def norm_modulate(
 ) -> torch.Tensor:
     """``norm(x) * (1 + scale) + shift`` in one Triton kernel (forward and backward); see the module."""
     return _fwd(x_BSD, shift, scale, rms, eps)[0]
+
+
+# ---- gated residual + norm + modulation ------------------------------------------------------------
+def gated_norm_modulate_reference(
+    x_BSD: torch.Tensor,
+    y_BSD: torch.Tensor,
+    gate: torch.Tensor,
+    shift: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    rms: bool = False,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eager PyTorch, as Wan's block writes it: ``h = (x.float() + y * gate).type_as(x)``, then
+    :func:`norm_modulate_reference` of ``h``; returns ``(h, out)``."""
+    acc = _acc_dtype(x_BSD)
+    h = (x_BSD.to(acc) + y_BSD.to(acc) * gate.to(acc)).to(x_BSD.dtype)
+    return h, norm_modulate_reference(h, shift, scale, rms=rms, eps=eps)
+
+
+def _reduce_mod(rows: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Per-row contributions summed to the modulation's shape (``B1D``) or kept (``BSD``)."""
+    per_token = like.shape[1] == rows.shape[1] and rows.shape[1] > 1
+    return (rows if per_token else rows.sum(1, keepdim=True)).to(like.dtype, copy=True)
+
+
+@torch.library.custom_op("mmpipe::gated_norm_modulate_fwd", mutates_args=())
+def _gated_fwd(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    gate: torch.Tensor,
+    shift: torch.Tensor,
+    scale: torch.Tensor,
+    rms: bool,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    if not can_run(x, y, gate, shift, scale):
+        raise RuntimeError("gated_norm_modulate's Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1 on CPU)")
+    if y.shape != x.shape:
+        raise ValueError(f"gated_norm_modulate: y {tuple(y.shape)} must have x's shape {tuple(x.shape)}")
+    mod_sb, mod_ss = _check(x, shift, scale)
+    _check(x, gate, scale)
+    B, S, D = x.shape
+    x, y, gate, shift, scale = (t.contiguous() for t in (x, y, gate, shift, scale))
+    acc = _acc_dtype(x)
+    h, out = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
+    mean = torch.full((B * S,), float("nan"), dtype=acc, device=x.device)
+    rstd = torch.full((B * S,), float("nan"), dtype=acc, device=x.device)
+    if B * S:
+        _gated_fwd_kernel[(B * S,)](
+            x, y, gate, shift, scale, h, out, mean, rstd, S, D, mod_sb, mod_ss, eps,
+            RMS=rms, BLOCK_D=triton.next_power_of_2(D), ACC=tl.float64 if acc == torch.float64 else tl.float32,
+        )  # fmt: skip
+    return h, out, mean, rstd
+
+
+@_gated_fwd.register_fake
+def _(x, y, gate, shift, scale, rms, eps):  # type: ignore[no-untyped-def]
+    B, S, _ = x.shape
+    acc = _acc_dtype(x)
+    return torch.empty_like(x), torch.empty_like(x), x.new_empty((B * S,), dtype=acc), x.new_empty((B * S,), dtype=acc)
+
+
+@torch.library.custom_op("mmpipe::gated_norm_modulate_bwd", mutates_args=())
+def _gated_bwd(
+    dout: torch.Tensor,
+    dh: torch.Tensor,
+    h: torch.Tensor,
+    y: torch.Tensor,
+    gate: torch.Tensor,
+    scale: torch.Tensor,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    rms: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    mod_sb, mod_ss = _check(h, scale, scale)
+    B, S, D = h.shape
+    dout, dh, h, y, gate, scale = (t.contiguous() for t in (dout, dh, h, y, gate, scale))
+    dx, dy = torch.full_like(h, float("nan")), torch.full_like(y, float("nan"))
+    dgate_rows = torch.full(h.shape, float("nan"), dtype=mean.dtype, device=h.device)
+    doutxhat = torch.full(h.shape, float("nan"), dtype=mean.dtype, device=h.device)
+    if B * S:
+        _gated_bwd_kernel[(B * S,)](
+            dout, dh, h, y, gate, scale, mean, rstd, dx, dy, dgate_rows, doutxhat, S, D, mod_sb, mod_ss,
+            RMS=rms, BLOCK_D=triton.next_power_of_2(D), ACC=tl.float64 if mean.dtype == torch.float64 else tl.float32,
+        )  # fmt: skip
+    dshift = _reduce_mod(dout.to(mean.dtype), scale)
+    return dx, dy, _reduce_mod(dgate_rows, gate), dshift, _reduce_mod(doutxhat, scale)
+
+
+@_gated_bwd.register_fake
+def _(dout, dh, h, y, gate, scale, mean, rstd, rms):  # type: ignore[no-untyped-def]
+    return (
+        torch.empty_like(h),
+        torch.empty_like(y),
+        torch.empty_like(gate),
+        torch.empty_like(scale),
+        torch.empty_like(scale),
+    )
+
+
+def _gated_setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
+    _, y, gate, _, scale, rms, _ = inputs
+    h, _, mean, rstd = output
+    ctx.save_for_backward(h, y, gate, scale, mean, rstd)
+    ctx.rms = rms
+
+
+def _gated_backward(ctx, dh, dout, _dmean, _drstd):  # type: ignore[no-untyped-def]
+    h, y, gate, scale, mean, rstd = ctx.saved_tensors
+    dh = torch.zeros_like(h) if dh is None else dh
+    dout = torch.zeros_like(h) if dout is None else dout
+    dx, dy, dgate, dshift, dscale = _gated_bwd(dout, dh, h, y, gate, scale, mean, rstd, ctx.rms)
+    return dx, dy, dgate, dshift, dscale, None, None
+
+
+_gated_fwd.register_autograd(_gated_backward, setup_context=_gated_setup)
+
+
+def gated_norm_modulate(
+    x_BSD: torch.Tensor,
+    y_BSD: torch.Tensor,
+    gate: torch.Tensor,
+    shift: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    rms: bool = False,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated residual and the next modulated norm in one kernel: ``h = x + y * gate`` (in ``x``'s
+    dtype) and ``norm(h) * (1 + scale) + shift``; returns ``(h, out)``. ``gate``, ``shift`` and
+    ``scale`` are per sample (``B1D``) or per token (``BSD``)."""
+    h, out, _, _ = _gated_fwd(x_BSD, y_BSD, gate, shift, scale, rms, eps)
+    return h, out

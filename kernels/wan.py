@@ -4,7 +4,8 @@
 
 - ``norm_modulate``: each block's ``forward`` becomes :func:`_block_forward`, diffusers'
   ``WanTransformerBlock.forward`` with its two ``norm(x) * (1 + scale) + shift`` lines through
-  :func:`mmpipe.kernels.norm.norm_modulate` (the cross-attention norm, without modulation, stays);
+  :func:`mmpipe.kernels.norm.norm_modulate`, and the gated attention residual with the
+  cross-attention norm through :func:`mmpipe.kernels.norm.gated_norm_modulate`;
 - ``rope``: the model's rotary module returns a :class:`GridRotary` (the token grid, not cosine and
   sine tables) and the self-attention processor rotates queries and keys with
   :func:`mmpipe.kernels.rope.rope3d`;
@@ -118,7 +119,7 @@ def _block_forward(
     rotary_emb: Any,
 ) -> torch.Tensor:
     """diffusers' ``WanTransformerBlock.forward`` with the fused norm + modulation kernel."""
-    from mmpipe.kernels.norm import norm_modulate
+    from mmpipe.kernels.norm import gated_norm_modulate, norm_modulate
 
     if temb.ndim == 4:  # batch, tokens, 6, dim (Wan 2.2 TI2V): per-token modulation
         mods = [m.squeeze(2) for m in (self.scale_shift_table.unsqueeze(0) + temb.float()).chunk(6, dim=2)]
@@ -128,9 +129,20 @@ def _block_forward(
 
     norm_hidden_states = norm_modulate(hidden_states, shift_msa, scale_msa, eps=self.norm1.eps)
     attn_output = self.attn1(norm_hidden_states, None, None, rotary_emb)
-    hidden_states = (hidden_states.float() + attn_output * gate_msa).type_as(hidden_states)
 
-    norm_hidden_states = self.norm2(hidden_states.float()).type_as(hidden_states)
+    # the gated residual and the cross-attention norm in one kernel; an affine norm is a modulation
+    # with scale = weight - 1 and shift = bias, the same for every sample
+    norm2 = self.norm2
+    if isinstance(norm2, nn.Identity):  # cross_attn_norm=False: the residual only
+        hidden_states = (hidden_states.float() + attn_output * gate_msa).type_as(hidden_states)
+        norm_hidden_states = hidden_states
+    else:
+        weight, bias, zero = getattr(norm2, "weight", None), getattr(norm2, "bias", None), gate_msa.new_zeros(())
+        scale2 = (weight.float() - 1 if weight is not None else zero).expand(gate_msa.shape)
+        shift2 = (bias.float() if bias is not None else zero).expand(gate_msa.shape)
+        hidden_states, norm_hidden_states = gated_norm_modulate(
+            hidden_states, attn_output, gate_msa, shift2, scale2, eps=norm2.eps
+        )
     attn_output = self.attn2(norm_hidden_states, encoder_hidden_states, None, None)
     hidden_states = hidden_states + attn_output
 

@@ -17,7 +17,12 @@ from diffusers import WanTransformer3DModel
 from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
 
 from mmpipe.kernels import _triton
-from mmpipe.kernels.norm import norm_modulate, norm_modulate_reference
+from mmpipe.kernels.norm import (
+    gated_norm_modulate,
+    gated_norm_modulate_reference,
+    norm_modulate,
+    norm_modulate_reference,
+)
 from mmpipe.kernels.registry import KernelChoice, resolve
 from mmpipe.kernels.rope import rope3d, rope3d_reference
 from mmpipe.kernels.wan import use_kernels
@@ -139,3 +144,44 @@ def test_wan_dit_with_the_kernels_swapped_in_matches_the_stock_model() -> None:
     for (name, a), b in zip(stock.named_parameters(), fused.parameters(), strict=True):
         assert a.grad is not None and b.grad is not None, name
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=f"{name}, seed {seed}")
+
+
+def test_custom_ops_pass_opcheck_and_compile() -> None:
+    """Schemas, fake (meta) implementations and autograd registrations are consistent
+    (``torch.library.opcheck``), and the ops trace whole under ``torch.compile``."""
+    x = torch.randn(2, 3, 16, dtype=torch.float64, requires_grad=True)
+    mod = [torch.randn(2, 1, 16, dtype=torch.float64, requires_grad=True) for _ in range(2)]
+    torch.library.opcheck(torch.ops.mmpipe.norm_modulate_fwd.default, (x, *mod, False, 1e-6))
+    y = torch.randn_like(x, requires_grad=True)
+    gate = torch.randn_like(mod[0], requires_grad=True)
+    torch.library.opcheck(torch.ops.mmpipe.gated_norm_modulate_fwd.default, (x, y, gate, *mod, True, 1e-6))
+    q = torch.randn(1, 6, 2, 16, dtype=torch.float64, requires_grad=True)
+    torch.library.opcheck(torch.ops.mmpipe.rope3d.default, (q, 2, 3, 0, 10000.0, False))
+
+    def block(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        return norm_modulate(x, shift, scale).sum() + rope3d(q, (1, 2, 3)).square().sum()
+
+    compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
+    got = torch.autograd.grad(compiled(x, *mod, q), (x, *mod, q))
+    want = torch.autograd.grad(block(x, *mod, q), (x, *mod, q))
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, **F64)
+
+
+@pytest.mark.parametrize("per_token", [False, True], ids=["per-sample", "per-token"])
+def test_gated_residual_norm_modulate_matches_the_reference(per_token: bool) -> None:
+    """``h = x + y * gate`` and ``norm(h) * (1 + scale) + shift`` fused: both outputs and all five
+    input gradients (the residual stream's gradient from later uses plus the norm's)."""
+    seed = _seed()
+    B, S, D = 2, 6, 40
+    x, y = (torch.randn(B, S, D, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    mods = [torch.randn(B, S if per_token else 1, D, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+    dh, dout = torch.randn(B, S, D, dtype=torch.float64), torch.randn(B, S, D, dtype=torch.float64)
+    got = gated_norm_modulate(x, y, *mods)
+    want = gated_norm_modulate_reference(x, y, *mods)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, **F64, msg=f"seed {seed}")
+    grads = torch.autograd.grad(got, (x, y, *mods), (dh, dout))
+    ref = torch.autograd.grad(want, (x, y, *mods), (dh, dout))
+    for name, g, w in zip(("dx", "dy", "dgate", "dshift", "dscale"), grads, ref, strict=True):
+        torch.testing.assert_close(g, w, **F64, msg=f"{name}, seed {seed}")
