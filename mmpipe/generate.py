@@ -10,8 +10,10 @@ import torch
 from mmpipe.checkpoint import load_latest_weights
 from mmpipe.config import GenerateConfig
 from mmpipe.data import frames_to_uint8, write_gif, write_mp4
+from mmpipe.kernels import registry as kernels
+from mmpipe.kernels.wan import use_kernels
 from mmpipe.pipelines import T2VGraph, from_diffusers
-from mmpipe.train import load_run_config, pipeline_dir
+from mmpipe.train import kernel_choice, load_run_config, pipeline_dir
 
 
 def load_trained_graph(run_dir: Path) -> T2VGraph:
@@ -20,7 +22,15 @@ def load_trained_graph(run_dir: Path) -> T2VGraph:
     graph = from_diffusers(pipeline_dir(cfg.model, run_dir), max_sequence_length=cfg.model.text_len)
     # The training graph's DiT stage is named "dit"; its weights become the denoiser's.
     load_latest_weights(run_dir, {"dit": graph.denoise.module})
+    apply_kernels(graph, kernel_choice(cfg))  # the run's model.kernels
     return graph
+
+
+def apply_kernels(graph: T2VGraph, choice: kernels.KernelChoice) -> None:
+    """Install ``choice`` for this process and swap its kernels into the denoiser's DiT."""
+    kernels.configure(choice)
+    if choice != kernels.KernelChoice():
+        use_kernels(graph.denoise.module, choice)
 
 
 def generate(cfg: GenerateConfig) -> dict[str, Path]:
