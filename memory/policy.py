@@ -27,6 +27,7 @@ import itertools
 import os
 import tempfile
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -89,7 +90,11 @@ class FileTier:
         return _Spilled(self, path, t.shape, t.dtype, t.device, nbytes)
 
     def unpack(self, handle: _Spilled) -> torch.Tensor:
-        """Read a packed tensor back (its file is deleted with the handle)."""
+        """Read a packed tensor back (its file is deleted with the handle); a handle several saves
+        share is read once while the tensor read is alive."""
+        loaded = handle.loaded() if handle.loaded is not None else None
+        if loaded is not None:
+            return loaded
         start = time.perf_counter()
         raw = (
             torch.from_file(str(handle.path), size=handle.nbytes, dtype=torch.uint8)
@@ -97,7 +102,9 @@ class FileTier:
             else torch.empty(0, dtype=torch.uint8)
         )
         self.stats.read_s += time.perf_counter() - start
-        return raw.view(handle.dtype).view(handle.shape).to(handle.device)
+        out = raw.view(handle.dtype).view(handle.shape).to(handle.device)
+        handle.loaded = weakref.ref(out)
+        return out
 
     def close(self) -> None:
         """Remove the spill directory if this tier made it."""
@@ -122,6 +129,7 @@ class _Spilled:
             device,
             nbytes,
         )
+        self.loaded: weakref.ref[torch.Tensor] | None = None  # the tensor last read back, while alive
 
     def __del__(self) -> None:
         self.path.unlink(missing_ok=True)
@@ -131,12 +139,19 @@ class _Spilled:
 @contextmanager
 def offload_saved_tensors(tier: FileTier, *, min_bytes: int = 1 << 16) -> Iterator[None]:
     """Within the block, tensors autograd saves move to ``tier``, except parameters (they stay
-    resident anyway) and tensors under ``min_bytes``."""
+    resident anyway) and tensors under ``min_bytes``. A tensor several ops save (a block's input to
+    its query, key and value projections) goes out once: they share its handle."""
+    written: dict[int, tuple[weakref.ref[torch.Tensor], _Spilled]] = {}  # id -> (the tensor, its handle)
 
     def pack(t: torch.Tensor) -> Any:
         if isinstance(t, nn.Parameter) or t.numel() * t.element_size() < min_bytes:
             return t
-        return tier.pack(t)
+        hit = written.get(id(t))
+        if hit is not None and hit[0]() is t:  # the same live tensor (an id alone may be reused)
+            return hit[1]
+        handle = tier.pack(t)
+        written[id(t)] = (weakref.ref(t), handle)
+        return handle
 
     def unpack(packed: Any) -> torch.Tensor:
         return packed if isinstance(packed, torch.Tensor) else tier.unpack(packed)

@@ -13,7 +13,13 @@ import torch
 from diffusers import WanTransformer3DModel
 from torch import nn
 
-from mmpipe.memory.policy import BlockPolicy, FileTier, apply_block_policies, count_saved_bytes
+from mmpipe.memory.policy import (
+    BlockPolicy,
+    FileTier,
+    apply_block_policies,
+    count_saved_bytes,
+    offload_saved_tensors,
+)
 from mmpipe.stages._source import ModuleSource
 from mmpipe.stages.dit import WanDiTFlowMatchingStage
 
@@ -178,3 +184,24 @@ def test_file_tier_lowers_peak_resident_memory_of_a_training_step(tmp_path: Path
     # Observed 322 MB vs 168 MB; 0.6 leaves room for allocator slack and fails if nothing moved out.
     grow_keep, grow_off = keep["peak"] - keep["before"], off["peak"] - off["before"]
     assert grow_off < 0.6 * grow_keep, (grow_keep, grow_off)
+
+
+def test_a_tensor_saved_by_several_ops_is_offloaded_once() -> None:
+    """Both products save ``x`` (for the weights' gradients): it goes out once, and the gradients are
+    those of keeping everything."""
+    a, b = torch.nn.Parameter(torch.randn(256, 128)), torch.nn.Parameter(torch.randn(256, 128))
+    x = torch.randn(256, 128, requires_grad=True)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return (x * a).sum() + (x * b).square().sum()
+
+    want = torch.autograd.grad(f(x), (x, a, b))
+    tier = FileTier()
+    with offload_saved_tensors(tier, min_bytes=1024):
+        loss = f(x)
+    # x once (not twice) and x * b (saved by square); the parameters stay
+    assert tier.stats.offloaded_bytes == 2 * x.numel() * x.element_size()
+    got = torch.autograd.grad(loss, (x, a, b))
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+    tier.close()
