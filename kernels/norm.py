@@ -23,6 +23,25 @@ if AVAILABLE:
     import triton.language as tl
 
     @triton.jit
+    def _normalize(x, mask, D, eps, RMS: tl.constexpr, ACC: tl.constexpr):
+        """A row's centred values (RMS: as they are), its mean (RMS: 0) and 1 / std."""
+        if RMS:
+            mean = tl.zeros((), dtype=ACC)
+            xc = x
+        else:
+            mean = tl.sum(x, axis=0) / D
+            xc = tl.where(mask, x - mean, 0.0)
+        return xc, mean, 1.0 / tl.sqrt(tl.sum(xc * xc, axis=0) / D + eps)
+
+    @triton.jit
+    def _normalize_backward(g, xhat, rstd, D, RMS: tl.constexpr):
+        """d(loss)/d(x) of a row from d(loss)/d(xhat) ``g``."""
+        c2 = tl.sum(g * xhat, axis=0) / D
+        if RMS:
+            return (g - xhat * c2) * rstd
+        return (g - tl.sum(g, axis=0) / D - xhat * c2) * rstd
+
+    @triton.jit
     def _norm_modulate_fwd_kernel(
         x_ptr, shift_ptr, scale_ptr, out_ptr, mean_ptr, rstd_ptr,
         S, D, mod_sb, mod_ss, eps,
@@ -34,14 +53,7 @@ if AVAILABLE:
         cols = tl.arange(0, BLOCK_D)
         mask = cols < D
         x = tl.load(x_ptr + row * D + cols, mask=mask, other=0.0).to(ACC)
-        if RMS:
-            mean = tl.zeros((), dtype=ACC)
-            xc = x
-        else:
-            mean = tl.sum(x, axis=0) / D
-            xc = tl.where(mask, x - mean, 0.0)
-        var = tl.sum(xc * xc, axis=0) / D
-        rstd = 1.0 / tl.sqrt(var + eps)
+        xc, mean, rstd = _normalize(x, mask, D, eps, RMS, ACC)
         mod = b * mod_sb + s * mod_ss + cols
         shift = tl.load(shift_ptr + mod, mask=mask, other=0.0).to(ACC)
         scale = tl.load(scale_ptr + mod, mask=mask, other=0.0).to(ACC)
@@ -67,13 +79,7 @@ if AVAILABLE:
         mean = tl.load(mean_ptr + row)
         rstd = tl.load(rstd_ptr + row)
         xhat = tl.where(mask, (x - mean) * rstd, 0.0)
-        g = dy * (1.0 + scale)  # d(loss)/d(xhat)
-        c2 = tl.sum(g * xhat, axis=0) / D
-        if RMS:
-            dx = (g - xhat * c2) * rstd
-        else:
-            c1 = tl.sum(g, axis=0) / D
-            dx = (g - c1 - xhat * c2) * rstd
+        dx = _normalize_backward(dy * (1.0 + scale), xhat, rstd, D, RMS)
         tl.store(dx_ptr + row * D + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
         tl.store(dyxhat_ptr + row * D + cols, dy * xhat, mask=mask)
 
@@ -95,14 +101,7 @@ if AVAILABLE:
         # the residual stream is kept in x's dtype, and normalised as stored (as the eager block does)
         h_stored = (x + y * gate).to(h_ptr.dtype.element_ty)
         tl.store(h_ptr + row * D + cols, h_stored, mask=mask)
-        h = h_stored.to(ACC)
-        if RMS:
-            mean = tl.zeros((), dtype=ACC)
-            hc = h
-        else:
-            mean = tl.sum(h, axis=0) / D
-            hc = tl.where(mask, h - mean, 0.0)
-        rstd = 1.0 / tl.sqrt(tl.sum(hc * hc, axis=0) / D + eps)
+        hc, mean, rstd = _normalize(h_stored.to(ACC), mask, D, eps, RMS, ACC)
         shift = tl.load(shift_ptr + mod, mask=mask, other=0.0).to(ACC)
         scale = tl.load(scale_ptr + mod, mask=mask, other=0.0).to(ACC)
         tl.store(out_ptr + row * D + cols, (hc * rstd * (1.0 + scale) + shift).to(out_ptr.dtype.element_ty), mask=mask)
@@ -131,13 +130,8 @@ if AVAILABLE:
         mean = tl.load(mean_ptr + row)
         rstd = tl.load(rstd_ptr + row)
         hhat = tl.where(mask, (h - mean) * rstd, 0.0)
-        g = dout * (1.0 + scale)
-        c2 = tl.sum(g * hhat, axis=0) / D
-        if RMS:
-            dnorm = (g - hhat * c2) * rstd
-        else:
-            dnorm = (g - tl.sum(g, axis=0) / D - hhat * c2) * rstd
-        dtotal = dh + dnorm  # the residual stream's gradient: its later uses plus the norm's
+        # the residual stream's gradient: its later uses plus the norm's
+        dtotal = dh + _normalize_backward(dout * (1.0 + scale), hhat, rstd, D, RMS)
         tl.store(dx_ptr + row * D + cols, dtotal.to(dx_ptr.dtype.element_ty), mask=mask)
         tl.store(dy_ptr + row * D + cols, (dtotal * gate).to(dy_ptr.dtype.element_ty), mask=mask)
         tl.store(dgate_ptr + row * D + cols, dtotal * y, mask=mask)
