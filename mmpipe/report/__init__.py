@@ -1,0 +1,1 @@
+"""Profiling reports: the self-contained HTML dashboard of ``mmpipe report``."""

@@ -1,0 +1,1 @@
+"""The serving engine and its HTTP front end (``mmpipe serve``)."""
