@@ -188,6 +188,29 @@ class StageMemoryConfig:
 
 
 @dataclasses.dataclass(kw_only=True)
+class TraceConfig:
+    """``profile.enabled=true``: ``torch.profiler`` over a window of training steps (skip ``wait``,
+    warm up for ``warmup``, record ``active``), one TensorBoard trace per rank in ``RUN_DIR/profiler``
+    (``tensorboard --logdir RUN_DIR``, torch-tb-profiler). Not ``mmpipe profile``, the planner's
+    calibration (:class:`ProfileConfig`)."""
+
+    enabled: bool = False
+    wait: int = 1
+    warmup: int = 1
+    active: int = 2
+
+    def __post_init__(self) -> None:
+        _positive("profile", self, "active")
+        if self.wait < 0 or self.warmup < 0:
+            raise ValueError(f"profile.wait={self.wait} and profile.warmup={self.warmup} must be >= 0")
+
+    @property
+    def window(self) -> int:
+        """Training steps the profiler schedule spans."""
+        return self.wait + self.warmup + self.active
+
+
+@dataclasses.dataclass(kw_only=True)
 class RunConfig:
     """Root config of ``mmpipe train``."""
 
@@ -207,8 +230,15 @@ class RunConfig:
     memory: dict[str, StageMemoryConfig] = dataclasses.field(
         default_factory=lambda: {"dit": StageMemoryConfig(), "llm": StageMemoryConfig()}
     )
+    # torch.profiler over a window of steps, e.g. profile.enabled=true profile.active=3
+    profile: TraceConfig = dataclasses.field(default_factory=TraceConfig)
 
     def __post_init__(self) -> None:
+        if self.profile.enabled and self.profile.window > self.train.steps:
+            raise ValueError(
+                f"profile.enabled=true: the window wait={self.profile.wait} + warmup={self.profile.warmup} + "
+                f"active={self.profile.active} is longer than train.steps={self.train.steps}"
+            )
         if self.data.val_samples < self.train.batch_size:
             raise ValueError(
                 f"data.val_samples={self.data.val_samples} must be >= train.batch_size={self.train.batch_size} "
@@ -244,6 +274,90 @@ class GenerateConfig:
             value = getattr(self, key)
             if value is not None and value <= 0:
                 raise ValueError(f"{key} must be positive, got {value}")
+
+
+STAGE_NAMES_SERVE = ("text", "denoise", "decode")  # the stages of the inference graph (from_diffusers)
+
+
+@dataclasses.dataclass(kw_only=True)
+class ServeConfig:
+    """Root config of ``mmpipe serve``: an inference graph placed on device groups behind an
+    OpenAI-compatible HTTP API.
+
+    The graph comes from ``pipeline`` (a local diffusers WanPipeline directory), else from ``ckpt`` (a
+    trained run directory: its pipeline with the latest DiT weights), else from the ``model`` preset
+    (the tiny random-weight Wan, built locally). ``placement`` maps each stage to the device groups
+    (worker processes, one rank each) that run it; a stage on several groups has one replica per
+    group and requests are spread over them. Group count = 1 + the largest group index named.
+    """
+
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    pipeline: str | None = None
+    ckpt: str | None = None
+    model_name: str = "mmpipe-wan"  # the model id clients send (GET /v1/models lists it)
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0: any free port
+    placement: dict[str, Any] = dataclasses.field(
+        default_factory=lambda: {"text": [0], "denoise": [0, 1], "decode": [1]}
+    )
+    threads: int = 0  # torch threads per group; 0: the machine's cores / groups
+    max_batch: int = 4  # requests a stage runs as one batch
+    max_wait_ms: float = 5.0  # how long a stage waits for a batch to fill
+    max_queue: int = 64  # unfinished requests; more -> HTTP 429
+    timeout_s: float = 600.0  # per request, from its creation
+    # Defaults of a request, and the limits of what one may ask for.
+    height: int = 64
+    width: int = 64
+    frames: int = 17
+    steps: int = 20
+    guidance: float = 3.0
+    fps: int = 8
+    max_height: int = 1280
+    max_width: int = 1280
+    max_frames: int = 129
+    max_steps: int = 100
+    max_prompt_chars: int = 2000
+
+    def __post_init__(self) -> None:
+        _positive("serve", self, "max_batch", "max_queue", "timeout_s", "height", "width", "frames", "steps", "fps")
+        _positive("serve", self, "max_height", "max_width", "max_frames", "max_steps", "max_prompt_chars")
+        if self.max_wait_ms < 0 or self.threads < 0:
+            raise ValueError("serve: max_wait_ms and threads must be >= 0")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port={self.port}: expected 0..65535")
+        for key in ("pipeline", "ckpt"):
+            value = getattr(self, key)
+            if value is not None and not Path(value).is_dir():
+                raise ValueError(f"{key}={value!r} is not a directory")
+        if self.pipeline and self.ckpt:
+            raise ValueError("give pipeline=DIR or ckpt=RUN_DIR, not both")
+        unknown = sorted(set(self.placement) - set(STAGE_NAMES_SERVE))
+        if unknown:
+            raise ValueError(f"placement.{unknown[0]}: unknown stage; stages: {list(STAGE_NAMES_SERVE)}")
+        missing = [s for s in STAGE_NAMES_SERVE if s not in self.placement]
+        if missing:
+            raise ValueError(
+                f"placement.{missing[0]} is missing: every stage of {list(STAGE_NAMES_SERVE)} needs a group"
+            )
+        for stage, groups in list(self.placement.items()):
+            groups = [groups] if isinstance(groups, int) and not isinstance(groups, bool) else groups
+            if (
+                not isinstance(groups, list | tuple)
+                or not groups
+                or not all(isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in groups)
+                or len(set(groups)) != len(groups)
+            ):
+                raise ValueError(f"placement.{stage}={groups!r}: expected a group index or a list of distinct ones")
+            self.placement[stage] = list(groups)
+        used = sorted({g for groups in self.placement.values() for g in groups})
+        if used != list(range(len(used))):
+            idle = sorted(set(range(used[-1] + 1)) - set(used))
+            raise ValueError(f"placement: group {idle[0]} runs no stage; groups must be numbered 0..N-1")
+
+    @property
+    def groups(self) -> int:
+        """How many device groups (worker processes) the placement names."""
+        return 1 + max(g for groups in self.placement.values() for g in groups)
 
 
 @dataclasses.dataclass(kw_only=True)

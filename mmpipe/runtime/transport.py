@@ -35,7 +35,7 @@ def _header(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.tensor(fields + [0] * (HEADER_LEN - len(fields)), dtype=torch.int64)
 
 
-def _parse_header(header: torch.Tensor) -> list[tuple[torch.dtype, tuple[int, ...]]]:
+def parse_header(header: torch.Tensor) -> list[tuple[torch.dtype, tuple[int, ...]]]:
     h = header.tolist()
     out, i = [], 1
     for _ in range(h[0]):
@@ -63,7 +63,7 @@ def recv_tensors(src: int, tag: int, expected: int, group: dist.ProcessGroup | N
     """Receive a message of ``expected`` tensors from global rank ``src`` (blocking, with the group's timeout)."""
     header = torch.empty(HEADER_LEN, dtype=torch.int64)
     dist.recv(header, src=src, group=group, tag=tag)
-    specs = _parse_header(header)
+    specs = parse_header(header)
     if len(specs) != expected:
         raise RuntimeError(f"handshake from rank {src} (tag {tag}): {len(specs)} tensors, expected {expected}")
     out = []

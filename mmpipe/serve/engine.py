@@ -1,0 +1,658 @@
+"""The serving engine: the inference graph's stages on device groups, pipelined across requests.
+
+One worker process per device group (one rank of a gloo process group, as in training). The
+front end (this process: the HTTP server's engine object) sends each request's parameters to the
+groups on its route (text group -> denoise group -> decode group) over a control queue; the
+tensors between stages travel rank to rank with the runtime's point-to-point transport
+(``mmpipe.runtime.transport``), never through the front end. So while group 1's DiT denoises one
+request, group 0 encodes the next prompt and a decode group decodes the previous video.
+
+Per group, one loop (:class:`_GroupWorker`) interleaves its stages:
+
+* text: each ready request's prompt (and negative prompt) encoded, exactly as ``graph.generate``
+  calls the stage, then sent to the request's denoise group;
+* denoise: *continuous batching at step granularity*: one DiT forward per iteration over up to
+  ``serve.max_batch`` active requests of one shape, conditional and unconditional rows in the
+  same batch, each row at its own timestep; every request keeps its own scheduler, so its
+  trajectory is the one it would have alone. The DiT is made row-exact
+  (:func:`mmpipe.serve.batching.make_row_exact`), so the outputs are bitwise those of
+  ``graph.generate`` with the same seed, whatever the batching;
+* decode: the VAE decodes each finished latent and the frames go back to the front end.
+
+A stage that raises fails only the request it ran for (a batch that raises is re-run request by
+request to find it); the front end then tells the other groups to drop it. Cancelling, a client
+disconnect or a timeout drops a request the same way.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import dataclasses
+import datetime
+import logging
+import multiprocessing as mp
+import os
+import queue
+import shutil
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from mmpipe.config import ServeConfig
+from mmpipe.serve.protocol import GenerationRequest, Job, JobStatus, QueueFull
+
+logger = logging.getLogger(__name__)
+
+READY_TIMEOUT_S = 300.0
+_TAG = 7  # the p2p tag of serving messages
+_CONTEXT, _LATENTS = 1, 2  # message kinds between groups
+
+GraphFactory = Callable[[dict[str, Any]], Any]  # (source spec) -> T2VGraph, run in each worker
+
+
+def default_graph(spec: dict[str, Any]) -> Any:
+    """The inference graph of a source spec: a trained run (``ckpt``), or a pipeline directory."""
+    from mmpipe.pipelines import from_diffusers
+
+    if spec.get("ckpt"):
+        from mmpipe.generate import load_trained_graph
+
+        return load_trained_graph(Path(spec["ckpt"]))
+    return from_diffusers(spec["pipeline"], max_sequence_length=spec["text_len"])
+
+
+@dataclasses.dataclass
+class _Route:
+    text: int
+    denoise: int
+    decode: int
+
+    @property
+    def groups(self) -> set[int]:
+        return {self.text, self.denoise, self.decode}
+
+
+@dataclasses.dataclass
+class _Tracked:
+    job: Job
+    number: int
+    route: _Route
+    deadline: float
+
+
+class Engine:
+    """The front end's handle on the worker groups (see the module docstring)."""
+
+    def __init__(
+        self, cfg: ServeConfig, *, metrics: Any | None = None, graph_factory: GraphFactory | None = None
+    ) -> None:
+        if metrics is None:
+            from mmpipe.serve.metrics import ServeMetrics
+
+            metrics = ServeMetrics()
+        self.cfg = cfg
+        self.model_id = cfg.model_name
+        self.metrics = metrics
+        self._tmp: str | None = None
+        self._spec = self._source_spec(cfg)
+        self._lock = threading.Lock()
+        self._jobs: dict[str, _Tracked] = {}
+        self._by_number: dict[int, _Tracked] = {}
+        self._numbers = iter(range(1, 1 << 62))
+        self._load = collections.Counter[tuple[str, int]]()  # (stage, group) -> unfinished requests
+        self._closing = False
+        self._closed = False
+        self.healthy = True
+        self.fatal: str | None = None
+        ctx = mp.get_context("spawn")
+        world = cfg.groups
+        self._outbox: Any = ctx.Queue()
+        self._inboxes: list[Any] = [ctx.Queue() for _ in range(world)]
+        threads = cfg.threads or max(1, (os.cpu_count() or 1) // world)
+        from mmpipe.runtime.launch import free_port
+
+        init = {"port": free_port(), "world": world, "threads": threads}
+        options = {k: getattr(cfg, k) for k in ("max_batch", "max_wait_ms")} | {"placement": cfg.placement}
+        self._procs = [
+            ctx.Process(
+                target=_worker_main,
+                args=(g, init, self._spec, options, graph_factory, self._inboxes[g], self._outbox),
+                name=f"mmpipe-serve-group{g}",
+                daemon=True,
+            )
+            for g in range(world)
+        ]
+        for p in self._procs:
+            p.start()
+        try:
+            self._wait_ready()
+        except BaseException:
+            self._kill()
+            raise
+        self._reader = threading.Thread(target=self._read_loop, name="mmpipe-serve-reader", daemon=True)
+        self._reader.start()
+        self._watcher = threading.Thread(target=self._watch_loop, name="mmpipe-serve-timeouts", daemon=True)
+        self._watcher.start()
+
+    # ---- set-up ------------------------------------------------------------------------------
+    def _source_spec(self, cfg: ServeConfig) -> dict[str, Any]:
+        if cfg.ckpt:
+            return {"ckpt": cfg.ckpt}
+        if cfg.pipeline:
+            return {"pipeline": cfg.pipeline, "text_len": 512}  # WanPipeline.__call__'s default length
+        from mmpipe.data import caption_vocabulary
+        from mmpipe.presets import save_tiny_wan_pipeline
+
+        if cfg.model.path is not None:
+            return {"pipeline": cfg.model.path, "text_len": cfg.model.text_len}
+        if cfg.model.kind != "t2v":
+            raise ValueError(f"model.kind={cfg.model.kind!r}: mmpipe serve serves text-to-video graphs (t2v)")
+        self._tmp = tempfile.mkdtemp(prefix="mmpipe-serve-")
+        path = save_tiny_wan_pipeline(cfg.model, [*caption_vocabulary(), "blurry static"], self._tmp, seed=0)
+        return {"pipeline": str(path), "text_len": cfg.model.text_len}
+
+    def _wait_ready(self) -> None:
+        ready: set[int] = set()
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while len(ready) < len(self._procs):
+            try:
+                msg = self._outbox.get(timeout=0.2)
+            except queue.Empty:
+                dead = [g for g, p in enumerate(self._procs) if not p.is_alive()]
+                if dead:
+                    raise RuntimeError(
+                        f"serving group {dead[0]} exited while starting (exit code {self._procs[dead[0]].exitcode})"
+                    ) from None
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"serving groups not ready after {READY_TIMEOUT_S:.0f} s") from None
+                continue
+            if msg[0] == "ready":
+                ready.add(msg[1])
+            elif msg[0] == "fatal":
+                raise RuntimeError(f"serving group {msg[1]} failed to start: {msg[2]}")
+
+    def placement_text(self) -> str:
+        """Which stages each device group (worker process, rank) runs."""
+        lines = []
+        for g in range(self.cfg.groups):
+            stages = [s for s, groups in self.cfg.placement.items() if g in groups]
+            lines.append(f"group {g} (rank {g}, pid {self._procs[g].pid}): {', '.join(stages)}")
+        return "\n".join(lines)
+
+    # ---- requests ----------------------------------------------------------------------------
+    def submit(self, request: GenerationRequest) -> Job:
+        """Queue ``request``; raises :class:`QueueFull` when ``serve.max_queue`` jobs are unfinished."""
+        with self._lock:
+            if self._closing or not self.healthy:
+                raise RuntimeError(self.fatal or "the server is shutting down")
+            unfinished = sum(1 for t in self._jobs.values() if not t.job.status.done)
+            if unfinished >= self.cfg.max_queue:
+                self.metrics.request_finished("rejected")
+                raise QueueFull(self.cfg.max_queue, retry_after=self._retry_after(unfinished))
+            route = _Route(*(self._least_loaded(s) for s in ("text", "denoise", "decode")))
+            job = Job(request)
+            number = next(self._numbers)
+            timeout = request.timeout_s or self.cfg.timeout_s
+            tracked = _Tracked(job, number, route, time.monotonic() + timeout)
+            self._jobs[job.id] = tracked
+            self._by_number[number] = tracked
+            for stage in ("text", "denoise", "decode"):
+                self._load[(stage, getattr(route, stage))] += 1
+            self.metrics.set_queue_depth(unfinished + 1)
+        payload = ("submit", number, dataclasses.asdict(request), dataclasses.asdict(route))
+        for g in sorted(route.groups):
+            self._inboxes[g].put(payload)
+        return job
+
+    def _least_loaded(self, stage: str) -> int:
+        groups = self.cfg.placement[stage]
+        return min(groups, key=lambda g: (self._load[(stage, g)], g))
+
+    def _retry_after(self, unfinished: int) -> float:
+        done = [t.job for t in self._jobs.values() if t.job.status is JobStatus.COMPLETED and t.job.started_at]
+        recent = sorted(done, key=lambda j: j.completed_at or 0)[-16:]
+        if not recent:
+            return 1.0
+        per_job = float(np.mean([(j.completed_at or 0) - (j.started_at or 0) for j in recent]))
+        return max(1.0, per_job * unfinished / max(1, len(self.cfg.placement["denoise"]) * self.cfg.max_batch))
+
+    def get(self, job_id: str) -> Job | None:
+        tracked = self._jobs.get(job_id)
+        return tracked.job if tracked else None
+
+    def cancel(self, job_id: str) -> bool:
+        """Cancel a job (its work is dropped in every group); False when unknown or already final."""
+        tracked = self._jobs.get(job_id)
+        if tracked is None:
+            return False
+        return self._finish(tracked, JobStatus.CANCELLED)
+
+    def _finish(self, tracked: _Tracked, status: JobStatus, **kw: Any) -> bool:
+        with self._lock:
+            if not tracked.job.finish(status, **kw):
+                return False
+            for stage in ("text", "denoise", "decode"):
+                self._load[(stage, getattr(tracked.route, stage))] -= 1
+            self.metrics.request_finished(status.value)
+            self.metrics.set_queue_depth(sum(1 for t in self._jobs.values() if not t.job.status.done))
+        if status is not JobStatus.COMPLETED:
+            for g in sorted(tracked.route.groups):
+                self._inboxes[g].put(("drop", tracked.number))
+        return True
+
+    # ---- messages from the groups ------------------------------------------------------------
+    def _read_loop(self) -> None:
+        while not self._closed:
+            try:
+                msg = self._outbox.get(timeout=0.2)
+            except queue.Empty:
+                dead = [g for g, p in enumerate(self._procs) if not p.is_alive()]
+                if dead and not self._closed and not self._closing:
+                    self._fail_all(f"serving group {dead[0]} died (exit code {self._procs[dead[0]].exitcode})")
+                continue
+            except (EOFError, OSError):
+                return
+            kind = msg[0]
+            if kind == "stage":
+                self.metrics.observe_stage(*msg[1:])
+            elif kind == "edge":
+                self.metrics.edge_bytes(*msg[1:])
+            elif kind == "fatal":
+                self._fail_all(f"serving group {msg[1]} failed: {msg[2]}")
+            else:
+                tracked = self._by_number.get(msg[1])
+                if tracked is None or tracked.job.status.done:
+                    continue
+                if kind == "started":
+                    tracked.job.status = JobStatus.IN_PROGRESS
+                    tracked.job.started_at = tracked.job.started_at or time.time()
+                elif kind == "progress":
+                    tracked.job.progress = max(tracked.job.progress, int(msg[2]))
+                elif kind == "done":
+                    self._finish(tracked, JobStatus.COMPLETED, frames=msg[2])
+                elif kind == "failed":
+                    self._finish(tracked, JobStatus.FAILED, error=msg[2])
+
+    def _fail_all(self, message: str) -> None:
+        logger.error(message)
+        self.healthy, self.fatal = False, message
+        for tracked in list(self._jobs.values()):
+            self._finish(tracked, JobStatus.FAILED, error=message)
+
+    def _watch_loop(self) -> None:
+        while not self._closed:
+            now = time.monotonic()
+            for tracked in list(self._jobs.values()):
+                if not tracked.job.status.done and now > tracked.deadline:
+                    timeout = tracked.job.request.timeout_s or self.cfg.timeout_s
+                    self._finish(tracked, JobStatus.FAILED, error=f"timed out after {timeout:g} s")
+            time.sleep(0.05)
+
+    # ---- shutdown ----------------------------------------------------------------------------
+    def close(self, drain: bool = True) -> None:
+        """Stop: with ``drain``, new requests are refused and in-flight ones finish first."""
+        if self._closed:
+            return
+        with self._lock:
+            self._closing = True
+        if drain:
+            for tracked in list(self._jobs.values()):
+                remaining = tracked.deadline - time.monotonic()
+                tracked.job.wait(max(0.0, remaining) + 1.0)
+        for tracked in list(self._jobs.values()):
+            self._finish(tracked, JobStatus.CANCELLED)
+        for inbox in self._inboxes:
+            inbox.put(("stop",))
+        for p in self._procs:
+            p.join(timeout=10)
+        self._closed = True
+        self._kill()
+
+    def _kill(self) -> None:
+        for p in self._procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+        if self._tmp:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close(drain=False)
+
+
+# ==== the worker side =========================================================================
+def _worker_main(
+    group: int,
+    init: dict[str, Any],
+    spec: dict[str, Any],
+    options: dict[str, Any],
+    graph_factory: GraphFactory | None,
+    inbox: Any,
+    outbox: Any,
+) -> None:
+    """Entry point of one group's process."""
+    import mmpipe  # noqa: F401  (sets TRITON_INTERPRET before diffusers imports triton)
+
+    logging.basicConfig(level=logging.INFO, format=f"[serve group {group}] %(asctime)s %(levelname)s %(message)s")
+    torch.set_num_threads(init["threads"])
+    try:
+        if init["world"] > 1:
+            torch.distributed.init_process_group(
+                "gloo",
+                init_method=f"tcp://127.0.0.1:{init['port']}",
+                rank=group,
+                world_size=init["world"],
+                timeout=datetime.timedelta(seconds=600),
+            )
+        graph = (graph_factory or default_graph)(spec)
+        worker = _GroupWorker(group, init["world"], graph, options, inbox, outbox)
+    except Exception as err:
+        outbox.put(("fatal", group, f"{type(err).__name__}: {err}"))
+        raise
+    outbox.put(("ready", group))
+    try:
+        worker.loop()
+    except Exception as err:
+        outbox.put(("fatal", group, f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
+        raise
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+@dataclasses.dataclass
+class _Request:
+    number: int
+    request: GenerationRequest
+    route: _Route
+    arrived: float = dataclasses.field(default_factory=time.perf_counter)
+
+
+@dataclasses.dataclass
+class _Denoising:
+    number: int
+    cond: torch.Tensor
+    uncond: torch.Tensor | None
+    latents: torch.Tensor
+    scheduler: Any
+    guidance: float
+    key: tuple[Any, ...]
+    ready: float
+    step: int = 0
+    last_run: float = 0.0
+
+
+class _GroupWorker:
+    """One group's loop: control messages, p2p messages, then at most one batch per stage."""
+
+    def __init__(self, group: int, world: int, graph: Any, options: dict[str, Any], inbox: Any, outbox: Any) -> None:
+        from mmpipe.serve.batching import make_row_exact
+
+        self.group, self.world, self.graph = group, world, graph
+        self.inbox, self.outbox = inbox, outbox
+        self.max_batch: int = options["max_batch"]
+        self.max_wait = options["max_wait_ms"] / 1e3
+        placement = options["placement"]
+        self.stages = {s for s, groups in placement.items() if group in groups}
+        if "denoise" in self.stages:
+            make_row_exact(graph.denoise.module)
+        self.requests: dict[int, _Request] = {}
+        self.dropped: set[int] = set()
+        self.text_queue: collections.deque[int] = collections.deque()
+        self.contexts: dict[int, tuple[list[torch.Tensor], float]] = {}  # arrived before the request
+        self.latents_in: dict[int, tuple[torch.Tensor, float]] = {}
+        self.active: dict[int, _Denoising] = {}
+        self.decode_queue: collections.deque[tuple[int, torch.Tensor, float]] = collections.deque()
+        self.received: queue.Queue[list[torch.Tensor]] = queue.Queue()
+        self.stopping = False
+        for peer in range(world):
+            if peer != group:
+                threading.Thread(target=self._receive_from, args=(peer,), name=f"recv{peer}", daemon=True).start()
+
+    # ---- transport ---------------------------------------------------------------------------
+    def _receive_from(self, peer: int) -> None:
+        """Receiver thread of one peer: whole messages, in order, into ``self.received``. (Gloo's
+        point-to-point works report completion only from ``wait()``, so a thread blocks on them.)"""
+        from mmpipe.runtime.transport import HEADER_LEN, parse_header
+
+        try:
+            while True:
+                header = torch.empty(HEADER_LEN, dtype=torch.int64)
+                torch.distributed.recv(header, src=peer, tag=_TAG)
+                tensors = []
+                for dtype, shape in parse_header(header):
+                    t = torch.empty(shape, dtype=dtype)
+                    if t.numel():
+                        torch.distributed.recv(t, src=peer, tag=_TAG)
+                    tensors.append(t)
+                self.received.put(tensors)
+        except Exception as err:  # the peer is gone: the front end sees the dead process
+            if not self.stopping:
+                logger.warning("receiving from group %d stopped: %s", peer, err)
+
+    def _poll_received(self) -> None:
+        while True:
+            try:
+                tensors = self.received.get_nowait()
+            except queue.Empty:
+                return
+            kind, number = (int(v) for v in tensors[0].tolist())
+            self._deliver(kind, number, tensors[1:])
+
+    def _send(self, dst: int, kind: int, number: int, tensors: list[torch.Tensor], edge: str) -> None:
+        from mmpipe.runtime.transport import isend_tensors, nbytes
+
+        self.outbox.put(("edge", edge, nbytes(tensors)))
+        if dst == self.group:
+            self._deliver(kind, number, tensors)
+            return
+        message = [torch.tensor([kind, number], dtype=torch.int64), *tensors]
+        for work in isend_tensors(message, dst=dst, tag=_TAG):
+            work.wait()  # the peer's receiver thread is always posted: this returns at once
+
+    def _deliver(self, kind: int, number: int, tensors: list[torch.Tensor]) -> None:
+        if number in self.dropped:
+            return
+        if kind == _CONTEXT:
+            self.contexts[number] = (tensors, time.perf_counter())
+        else:
+            self.latents_in[number] = (tensors[0], time.perf_counter())
+        self._admit(number)
+
+    def _admit(self, number: int) -> None:
+        """Move a request whose inputs and parameters have both arrived into its stage's queue."""
+        req = self.requests.get(number)
+        if req is None:
+            return
+        if number in self.contexts and req.route.denoise == self.group:
+            tensors, ready = self.contexts.pop(number)
+            self.active[number] = self._start_denoising(req, tensors, ready)
+        if number in self.latents_in and req.route.decode == self.group:
+            latents, ready = self.latents_in.pop(number)
+            self.decode_queue.append((number, latents, ready))
+
+    # ---- control -----------------------------------------------------------------------------
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                msg = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            if msg[0] == "submit":
+                _, number, request, route = msg
+                req = _Request(number, GenerationRequest(**request), _Route(**route))
+                self.requests[number] = req
+                if req.route.text == self.group:
+                    self.text_queue.append(number)
+                self._admit(number)
+            elif msg[0] == "drop":
+                self._drop(msg[1])
+            elif msg[0] == "stop":
+                self.stopping = True
+
+    def _drop(self, number: int) -> None:
+        self.dropped.add(number)
+        self.requests.pop(number, None)
+        self.contexts.pop(number, None)
+        self.latents_in.pop(number, None)
+        self.active.pop(number, None)
+        if number in self.text_queue:
+            self.text_queue.remove(number)
+        self.decode_queue = collections.deque(e for e in self.decode_queue if e[0] != number)
+
+    def _fail(self, number: int, stage: str, err: BaseException) -> None:
+        logger.warning("request %d failed in stage %s: %s", number, stage, err)
+        self.outbox.put(("failed", number, f"stage {stage!r} failed: {type(err).__name__}: {err}"))
+        self._drop(number)
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def loop(self) -> None:
+        while not self.stopping:
+            self._drain_inbox()
+            self._poll_received()
+            ran = self._run_text()
+            ran |= self._run_denoise_step()
+            ran |= self._run_decode()
+            if not ran:
+                time.sleep(0.0005)
+
+    def _take(self, q: collections.deque[Any]) -> list[Any]:
+        return [q.popleft() for _ in range(min(self.max_batch, len(q)))]
+
+    def _run_text(self) -> bool:
+        if not self.text_queue:
+            return False
+        batch = self._take(self.text_queue)
+        start = time.perf_counter()
+        text = self.graph.text
+        for number in batch:
+            req = self.requests[number]
+            r = req.request
+            self.outbox.put(("started", number))
+            try:
+                # Exactly graph.generate's call: the prompt, then the negative prompt when guided.
+                inputs = dict(text.tokenize([r.prompt]))
+                if r.guidance > 1.0:
+                    neg = text.tokenize([r.negative_prompt])
+                    inputs |= {"negative_input_ids": neg["input_ids"], "negative_attention_mask": neg["attention_mask"]}
+                with torch.no_grad():
+                    out = text(inputs)
+            except Exception as err:
+                self._fail(number, "text", err)
+                continue
+            tensors = [out["context"]] + ([out["negative_context"]] if "negative_context" in out else [])
+            self.outbox.put(("progress", number, 5))
+            self._send(req.route.denoise, _CONTEXT, number, tensors, "text->denoise")
+        ready = min((self.requests[n].arrived for n in batch if n in self.requests), default=start)
+        self.outbox.put(("stage", "text", start - ready, time.perf_counter() - start, len(batch)))
+        return True
+
+    def _start_denoising(self, req: _Request, tensors: list[torch.Tensor], ready: float) -> _Denoising:
+        g, r = self.graph, req.request
+        cfg = g.denoise.source.config
+        shape = (1, cfg.in_channels, (r.frames - 1) // g.scale_t + 1, r.height // g.scale_s, r.width // g.scale_s)
+        # graph.generate's noise: one generator seeded with the request's seed.
+        noise = torch.randn(shape, generator=torch.Generator().manual_seed(r.seed), dtype=torch.float32)
+        scheduler: Any = copy.deepcopy(g.denoise.scheduler)
+        scheduler.set_timesteps(r.steps, device=noise.device)
+        scheduler.set_begin_index(0)
+        dtype = g.denoise.module.dtype
+        uncond = tensors[1].to(dtype) if r.guidance > 1.0 else None
+        key = (shape, uncond is not None, tuple(tensors[0].shape))
+        return _Denoising(req.number, tensors[0].to(dtype), uncond, noise, scheduler, r.guidance, key, ready)
+
+    def _run_denoise_step(self) -> bool:
+        if not self.active:
+            return False
+        now = time.perf_counter()
+        first = min(self.active.values(), key=lambda d: (d.last_run, d.ready))
+        peers = [d for d in self.active.values() if d.key == first.key]
+        if first.step == 0 and len(peers) < self.max_batch and now - first.ready < self.max_wait:
+            if not any(d.step > 0 for d in self.active.values()):
+                return False  # nothing running yet: give the batch max_wait_ms to fill
+        batch = sorted(peers, key=lambda d: (d.last_run, d.ready))[: self.max_batch]
+        start = time.perf_counter()
+        try:
+            preds = self._dit(batch)
+        except Exception:
+            preds = []
+            for d in list(batch):  # find the request that fails; the others go on
+                try:
+                    preds += self._dit([d])
+                except Exception as err:
+                    batch.remove(d)
+                    self._fail(d.number, "denoise", err)
+        for d, pred in zip(batch, preds, strict=True):
+            t = d.scheduler.timesteps[d.step]
+            try:
+                d.latents = d.scheduler.step(pred, t, d.latents, return_dict=False)[0]
+            except Exception as err:
+                self._fail(d.number, "denoise", err)
+                continue
+            d.step += 1
+            d.last_run = time.perf_counter()
+            total = len(d.scheduler.timesteps)
+            self.outbox.put(("progress", d.number, 5 + int(85 * d.step / total)))
+            if d.step == total:
+                del self.active[d.number]
+                req = self.requests[d.number]
+                self._send(req.route.decode, _LATENTS, d.number, [d.latents], "denoise->decode")
+        queue_s = start - first.ready if first.step == 0 else 0.0
+        self.outbox.put(("stage", "denoise", queue_s, time.perf_counter() - start, len(batch)))
+        return True
+
+    def _dit(self, batch: list[_Denoising]) -> list[torch.Tensor]:
+        """One DiT forward over the batch's conditional rows then unconditional rows."""
+        module = self.graph.denoise.module
+        dtype = module.dtype
+        x = torch.cat([d.latents.to(dtype) for d in batch])
+        ts = torch.cat([d.scheduler.timesteps[d.step].expand(1) for d in batch])
+        ctx = torch.cat([d.cond for d in batch])
+        guided = batch[0].uncond is not None
+        if guided:
+            x, ts = torch.cat([x, x]), torch.cat([ts, ts])
+            ctx = torch.cat([ctx, torch.cat([d.uncond for d in batch if d.uncond is not None])])
+        with torch.no_grad():
+            out = module(hidden_states=x, timestep=ts, encoder_hidden_states=ctx, return_dict=False)[0]
+        n = len(batch)
+        preds = []
+        for i, d in enumerate(batch):
+            pred = out[i : i + 1]
+            if guided:
+                pred_u = out[n + i : n + i + 1]
+                pred = pred_u + d.guidance * (pred - pred_u)  # WanPipeline's formula
+            preds.append(pred)
+        return preds
+
+    def _run_decode(self) -> bool:
+        if not self.decode_queue:
+            return False
+        from mmpipe.data import frames_to_uint8
+
+        batch = self._take(self.decode_queue)
+        start = time.perf_counter()
+        g = self.graph
+        for number, latents, _ in batch:
+            try:
+                with torch.no_grad():
+                    video = g.decode({"latents": latents})["video"]
+                frames = g.video_processor.postprocess_video(video, output_type="np")[0]
+                self.outbox.put(("done", number, frames_to_uint8(frames)))
+            except Exception as err:
+                self._fail(number, "decode", err)
+                continue
+            self.requests.pop(number, None)
+        self.outbox.put(("stage", "decode", start - min(e[2] for e in batch), time.perf_counter() - start, len(batch)))
+        return True

@@ -1,0 +1,104 @@
+"""What the HTTP front end and the serving engine exchange: requests, jobs and their states.
+
+The front end (``mmpipe.serve.app``) turns an OpenAI-shaped request into a validated
+:class:`GenerationRequest` and hands it to :class:`mmpipe.serve.engine.Engine`; the engine owns the
+:class:`Job` (status, progress, result frames) until the front end reads it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import threading
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+
+
+class JobStatus(enum.StrEnum):
+    """A job's life: queued -> in_progress -> completed | failed | cancelled (OpenAI's video statuses,
+    plus ``cancelled``)."""
+
+    QUEUED = "queued"
+    IN_PROGRESS = "in_progress"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def done(self) -> bool:
+        return self in (JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.CANCELLED)
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationRequest:
+    """One video (``frames`` > 1) or image (``frames`` == 1) to render; every field already validated."""
+
+    prompt: str
+    negative_prompt: str = ""
+    height: int = 64
+    width: int = 64
+    frames: int = 17
+    steps: int = 20
+    guidance: float = 3.0
+    seed: int = 0
+    timeout_s: float | None = None  # None: the engine's serve.timeout_s
+
+    def shape_key(self) -> tuple[int, int, int]:
+        """Requests with equal keys can share a batch at any stage."""
+        return (self.height, self.width, self.frames)
+
+
+class QueueFull(RuntimeError):
+    """The engine holds ``serve.max_queue`` unfinished jobs; retry after ``retry_after`` seconds."""
+
+    def __init__(self, limit: int, retry_after: float) -> None:
+        super().__init__(f"the server holds {limit} unfinished requests (serve.max_queue); retry later")
+        self.retry_after = retry_after
+
+
+@dataclasses.dataclass
+class Job:
+    """A request's state as the engine tracks it; ``frames`` is ``(T, H, W, 3)`` uint8 once completed."""
+
+    request: GenerationRequest
+    id: str = dataclasses.field(default_factory=lambda: f"video_{uuid.uuid4().hex}")
+    status: JobStatus = JobStatus.QUEUED
+    progress: int = 0  # percent, 0..100
+    created_at: float = dataclasses.field(default_factory=time.time)
+    started_at: float | None = None
+    completed_at: float | None = None
+    error: str | None = None
+    frames: np.ndarray | None = None
+    _done: threading.Event = dataclasses.field(default_factory=threading.Event, repr=False)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the job is completed, failed or cancelled; False on timeout."""
+        return self._done.wait(timeout)
+
+    def finish(self, status: JobStatus, *, frames: np.ndarray | None = None, error: str | None = None) -> bool:
+        """Move to a final status (once; later calls are ignored and return False)."""
+        if self.status.done:
+            return False
+        self.status, self.frames, self.error = status, frames, error
+        if status is JobStatus.COMPLETED:
+            self.progress = 100
+        self.completed_at = time.time()
+        self._done.set()
+        return True
+
+    def summary(self) -> dict[str, Any]:
+        """Plain fields (for logs and the HTTP layer)."""
+        r = self.request
+        return {
+            "id": self.id,
+            "status": self.status.value,
+            "progress": self.progress,
+            "created_at": int(self.created_at),
+            "completed_at": int(self.completed_at) if self.completed_at else None,
+            "error": self.error,
+            "size": f"{r.width}x{r.height}",
+            "frames": r.frames,
+        }
