@@ -295,6 +295,7 @@ class ServeConfig:
     pipeline: str | None = None
     ckpt: str | None = None
     model_name: str = "mmpipe-wan"  # the model id clients send (GET /v1/models lists it)
+    text_len: int = 0  # prompt tokens; 0: model.text_len for the preset, 512 (WanPipeline's) for pipeline=DIR
     host: str = "127.0.0.1"
     port: int = 8000  # 0: any free port
     placement: dict[str, Any] = dataclasses.field(
@@ -321,8 +322,8 @@ class ServeConfig:
     def __post_init__(self) -> None:
         _positive("serve", self, "max_batch", "max_queue", "timeout_s", "height", "width", "frames", "steps", "fps")
         _positive("serve", self, "max_height", "max_width", "max_frames", "max_steps", "max_prompt_chars")
-        if self.max_wait_ms < 0 or self.threads < 0:
-            raise ValueError("serve: max_wait_ms and threads must be >= 0")
+        if self.max_wait_ms < 0 or self.threads < 0 or self.text_len < 0:
+            raise ValueError("serve: max_wait_ms, threads and text_len must be >= 0")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port={self.port}: expected 0..65535")
         for key in ("pipeline", "ckpt"):

@@ -147,17 +147,17 @@ class Engine:
         if cfg.ckpt:
             return {"ckpt": cfg.ckpt}
         if cfg.pipeline:
-            return {"pipeline": cfg.pipeline, "text_len": 512}  # WanPipeline.__call__'s default length
+            return {"pipeline": cfg.pipeline, "text_len": cfg.text_len or 512}  # WanPipeline.__call__'s default
         from mmpipe.data import caption_vocabulary
         from mmpipe.presets import save_tiny_wan_pipeline
 
         if cfg.model.path is not None:
-            return {"pipeline": cfg.model.path, "text_len": cfg.model.text_len}
+            return {"pipeline": cfg.model.path, "text_len": cfg.text_len or cfg.model.text_len}
         if cfg.model.kind != "t2v":
             raise ValueError(f"model.kind={cfg.model.kind!r}: mmpipe serve serves text-to-video graphs (t2v)")
         self._tmp = tempfile.mkdtemp(prefix="mmpipe-serve-")
         path = save_tiny_wan_pipeline(cfg.model, [*caption_vocabulary(), "blurry static"], self._tmp, seed=0)
-        return {"pipeline": str(path), "text_len": cfg.model.text_len}
+        return {"pipeline": str(path), "text_len": cfg.text_len or cfg.model.text_len}
 
     def _wait_ready(self) -> None:
         ready: set[int] = set()

@@ -1,0 +1,128 @@
+"""The serving engine on its own (no HTTP): batching that keeps outputs bitwise, timeouts, a dead group.
+
+One engine for the module: the tiny Wan pipeline (``tiny_wan_dir``) on two worker processes, with
+one DiT group so that concurrent requests must share its batches.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mmpipe.config import ServeConfig
+from mmpipe.data import frames_to_uint8
+from mmpipe.pipelines import from_diffusers
+from mmpipe.serve.engine import Engine
+from mmpipe.serve.metrics import ServeMetrics
+from mmpipe.serve.protocol import GenerationRequest, JobStatus
+
+
+class RecordingMetrics(ServeMetrics):
+    """The real metrics, plus the batch sizes each stage ran."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches: dict[str, list[int]] = {}
+
+    def observe_stage(self, stage: str, queue_s: float, run_s: float, batch_size: int) -> None:
+        super().observe_stage(stage, queue_s, run_s, batch_size)
+        self.batches.setdefault(stage, []).append(batch_size)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_wan_dir: Path) -> Iterator[Engine]:
+    cfg = ServeConfig(
+        pipeline=str(tiny_wan_dir),
+        text_len=16,
+        placement={"text": [0], "denoise": [1], "decode": [0]},
+        threads=1,
+        max_batch=4,
+        max_wait_ms=300.0,  # the first DiT batch waits for its companions
+    )
+    with Engine(cfg, metrics=RecordingMetrics()) as eng:
+        yield eng
+
+
+def offline(path: Path, r: GenerationRequest) -> np.ndarray:
+    graph = from_diffusers(path, max_sequence_length=16)
+    video = graph.generate(
+        r.prompt,
+        r.negative_prompt,
+        height=r.height,
+        width=r.width,
+        num_frames=r.frames,
+        num_inference_steps=r.steps,
+        guidance_scale=r.guidance,
+        seed=r.seed,
+        progress=False,
+    )
+    return frames_to_uint8(video[0])
+
+
+def test_batched_requests_equal_their_offline_runs(engine: Engine, tiny_wan_dir: Path) -> None:
+    base = GenerationRequest(prompt="a red circle moving left", height=32, width=32, frames=5, steps=6)
+    requests = [
+        base,
+        GenerationRequest(
+            prompt="a blue square moving up",
+            negative_prompt="blurry static",
+            height=32,
+            width=32,
+            frames=5,
+            steps=6,
+            seed=3,
+        ),
+        GenerationRequest(
+            prompt="a green triangle moving right", height=32, width=32, frames=5, steps=4, seed=4, guidance=5.0
+        ),
+        GenerationRequest(
+            prompt="a red square moving down", height=32, width=32, frames=5, steps=6, seed=5, guidance=1.0
+        ),
+        GenerationRequest(prompt="a red circle moving left", height=48, width=32, frames=9, steps=5, seed=6),
+        GenerationRequest(prompt="a red circle moving left", height=32, width=32, frames=5, steps=6, seed=7),
+    ]
+    jobs = [engine.submit(r) for r in requests]
+    for job in jobs:
+        assert job.wait(120), f"{job.id} did not finish"
+        assert job.status is JobStatus.COMPLETED, job.error
+    metrics = engine.metrics
+    assert isinstance(metrics, RecordingMetrics)
+    assert max(metrics.batches["denoise"]) >= 3, f"no DiT batch formed: {metrics.batches['denoise']}"
+    for r, job in zip(requests, jobs, strict=True):
+        assert job.frames is not None and job.frames.shape == (r.frames, r.height, r.width, 3)
+        assert np.array_equal(job.frames, offline(tiny_wan_dir, r)), f"seed {r.seed}: batched output differs"
+    body, _ = metrics.render()
+    assert b'mmpipe_serve_edge_bytes_total{edge="text->denoise"}' in body
+
+
+def test_timeout_fails_the_request_and_frees_the_group(engine: Engine) -> None:
+    slow = GenerationRequest(
+        prompt="a red circle moving left", height=64, width=64, frames=17, steps=100, timeout_s=0.5
+    )
+    job = engine.submit(slow)
+    assert job.wait(30)
+    assert job.status is JobStatus.FAILED and job.error == "timed out after 0.5 s"
+    quick = engine.submit(GenerationRequest(prompt="a red circle moving left", height=32, width=32, frames=5, steps=2))
+    assert quick.wait(60) and quick.status is JobStatus.COMPLETED
+    assert engine.metrics.render()[0].count(b'mmpipe_serve_requests_total{status="failed"} 1.0') == 1
+
+
+def test_a_dead_group_fails_its_requests_and_the_engine_refuses_new_ones(engine: Engine) -> None:
+    job = engine.submit(GenerationRequest(prompt="a red circle moving left", height=64, width=64, frames=17, steps=100))
+    deadline = time.monotonic() + 30
+    while job.status is JobStatus.QUEUED and time.monotonic() < deadline:
+        time.sleep(0.01)
+    pid = engine._procs[1].pid
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    assert job.wait(30)
+    assert job.status is JobStatus.FAILED and "serving group 1 died" in (job.error or "")
+    assert not engine.healthy
+    with pytest.raises(RuntimeError, match="serving group 1 died"):
+        engine.submit(GenerationRequest(prompt="a red circle moving left"))
