@@ -415,15 +415,16 @@ class _GroupWorker:
         self.latents_in: dict[int, tuple[torch.Tensor, float]] = {}
         self.active: dict[int, _Denoising] = {}
         self.decode_queue: collections.deque[tuple[int, torch.Tensor, float]] = collections.deque()
-        self.received: queue.Queue[list[torch.Tensor]] = queue.Queue()
+        self.events: queue.Queue[tuple[str, Any]] = queue.Queue()  # ("control" | "p2p", message)
         self.stopping = False
+        threading.Thread(target=self._forward_inbox, name="inbox", daemon=True).start()
         for peer in range(world):
             if peer != group:
                 threading.Thread(target=self._receive_from, args=(peer,), name=f"recv{peer}", daemon=True).start()
 
     # ---- transport ---------------------------------------------------------------------------
     def _receive_from(self, peer: int) -> None:
-        """Receiver thread of one peer: whole messages, in order, into ``self.received``. (Gloo's
+        """Receiver thread of one peer: whole messages, in order, into the loop's event queue. (Gloo's
         point-to-point works report completion only from ``wait()``, so a thread blocks on them.)"""
         from mmpipe.runtime.transport import HEADER_LEN, parse_header
 
@@ -437,19 +438,10 @@ class _GroupWorker:
                     if t.numel():
                         torch.distributed.recv(t, src=peer, tag=_TAG)
                     tensors.append(t)
-                self.received.put(tensors)
+                self.events.put(("p2p", tensors))
         except Exception as err:  # the peer is gone: the front end sees the dead process
             if not self.stopping:
                 logger.warning("receiving from group %d stopped: %s", peer, err)
-
-    def _poll_received(self) -> None:
-        while True:
-            try:
-                tensors = self.received.get_nowait()
-            except queue.Empty:
-                return
-            kind, number = (int(v) for v in tensors[0].tolist())
-            self._deliver(kind, number, tensors[1:])
 
     def _send(self, dst: int, kind: int, number: int, tensors: list[torch.Tensor], edge: str) -> None:
         from mmpipe.runtime.transport import isend_tensors, nbytes
@@ -484,23 +476,33 @@ class _GroupWorker:
             self.decode_queue.append((number, latents, ready))
 
     # ---- control -----------------------------------------------------------------------------
-    def _drain_inbox(self) -> None:
+    def _forward_inbox(self) -> None:
+        """Control messages from the front end, into the loop's event queue."""
         while True:
             try:
-                msg = self.inbox.get_nowait()
-            except queue.Empty:
+                msg = self.inbox.get()
+            except (EOFError, OSError):  # the front end is gone
+                msg = ("stop",)
+            self.events.put(("control", msg))
+            if msg[0] == "stop":
                 return
-            if msg[0] == "submit":
-                _, number, request, route = msg
-                req = _Request(number, GenerationRequest(**request), _Route(**route))
-                self.requests[number] = req
-                if req.route.text == self.group:
-                    self.text_queue.append(number)
-                self._admit(number)
-            elif msg[0] == "drop":
-                self._drop(msg[1])
-            elif msg[0] == "stop":
-                self.stopping = True
+
+    def _handle(self, event: tuple[str, Any]) -> None:
+        source, msg = event
+        if source == "p2p":
+            kind, number = (int(v) for v in msg[0].tolist())
+            self._deliver(kind, number, msg[1:])
+        elif msg[0] == "submit":
+            _, number, request, route = msg
+            req = _Request(number, GenerationRequest(**request), _Route(**route))
+            self.requests[number] = req
+            if req.route.text == self.group:
+                self.text_queue.append(number)
+            self._admit(number)
+        elif msg[0] == "drop":
+            self._drop(msg[1])
+        elif msg[0] == "stop":
+            self.stopping = True
 
     def _drop(self, number: int) -> None:
         self.dropped.add(number)
@@ -519,14 +521,30 @@ class _GroupWorker:
 
     # ---- the loop ----------------------------------------------------------------------------
     def loop(self) -> None:
+        """Handle every waiting event, run at most one batch per stage; block while there is no work."""
+        timeout: float | None = 0.0
         while not self.stopping:
-            self._drain_inbox()
-            self._poll_received()
+            try:
+                event = self.events.get(timeout=timeout) if timeout != 0.0 else self.events.get_nowait()
+                while True:
+                    self._handle(event)
+                    event = self.events.get_nowait()
+            except queue.Empty:
+                pass
+            if self.stopping:
+                return
             ran = self._run_text()
             ran |= self._run_denoise_step()
             ran |= self._run_decode()
-            if not ran:
-                time.sleep(0.0005)
+            timeout = 0.0 if ran else self._idle_timeout()
+
+    def _idle_timeout(self) -> float | None:
+        """How long to block for events: until a waiting DiT batch's ``max_wait_ms`` runs out, or for
+        as long as nothing arrives."""
+        if not self.active:
+            return None
+        first = min(d.ready for d in self.active.values())
+        return max(0.0005, first + self.max_wait - time.perf_counter())
 
     def _take(self, q: collections.deque[Any]) -> list[Any]:
         return [q.popleft() for _ in range(min(self.max_batch, len(q)))]
