@@ -34,6 +34,7 @@ from mmpipe.graph import Graph
 from mmpipe.kernels import registry as kernels
 from mmpipe.pipelines import T2V_TRAIN_STAGES, U2G_TRAIN_STAGES, build_t2v_training_graph, build_u2g_training_graph
 from mmpipe.presets import VISION_IMAGE_SIZE, save_tiny_u2g_pipeline, save_tiny_wan_pipeline
+from mmpipe.report.recording import RankRecording, write_chrome_trace
 from mmpipe.runtime.events import EventRecorder
 from mmpipe.runtime.executor import Executor, OptionsFn, StageOptim
 from mmpipe.runtime.mesh import MeshOwner
@@ -437,11 +438,14 @@ def train(cfg: RunConfig) -> TrainResult:
     train_plan, _ = make_plans(graph, cfg)  # validated here, before any worker starts
     cfg = dataclasses.replace(cfg, run_dir=str(run_dir))
     if cfg.launch.nproc == 1:
-        return run_rank(cfg, graph, rank=0, world_size=1)
+        result = run_rank(cfg, graph, rank=0, world_size=1)
+        write_chrome_trace(run_dir)
+        return result
     from mmpipe.runtime.launch import launch_local
 
     print(train_plan.format_table())
     launch_local(cfg)
+    write_chrome_trace(run_dir)
     records = read_metrics(run_dir)
     vals = [r["val_loss"] for r in records if "val_loss" in r]
     first = records[0]["val_loss"] if records and records[0]["step"] == 0 else None
@@ -574,6 +578,7 @@ def run_rank(cfg: RunConfig, graph: Graph, *, rank: int, world_size: int) -> Tra
     if lead:
         print(graph)
     metrics = open_metrics(run_dir, keep_until=start) if lead else None
+    recording = RankRecording(cfg.profile, run_dir, rank, lambda: loop.events.step)  # memory, profiler window
     first_val = last_val = None
     if start == 0:
         first_val = last_val = loop.validation_loss()
@@ -582,6 +587,7 @@ def run_rank(cfg: RunConfig, graph: Graph, *, rank: int, world_size: int) -> Tra
     t0, window = time.perf_counter(), 0
     for step in range(start, tc.steps):
         record = loop.train_step(step) or {}
+        recording.step()
         window += tc.batch_size
         done = step + 1
         if done % tc.log_every == 0 or done == tc.steps:
@@ -599,6 +605,7 @@ def run_rank(cfg: RunConfig, graph: Graph, *, rank: int, world_size: int) -> Tra
         bar.update(1)
     bar.close()
     loop.executor.flush()
+    recording.close()
     loop.events.close()
     if metrics is not None:
         metrics.close()

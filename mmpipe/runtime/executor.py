@@ -14,6 +14,7 @@ Legend: rows are the micro-batch (dim 0) indices ``[start, stop)`` a rank holds 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import time
 from collections import defaultdict
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd.profiler import record_function
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from mmpipe.graph import INPUT, Edge, Graph
@@ -206,7 +208,9 @@ class Executor:
             start = time.perf_counter()
             tier = dataclasses.replace(self.spill.stats) if self.spill is not None else None
             try:
-                moved = self._dispatch(action, state, batch_fn, options_fn)
+                # Under torch.profiler (profile.enabled), each action is a range named like its text form.
+                with record_function(str(action)) if torch.autograd._profiler_enabled() else contextlib.nullcontext():
+                    moved = self._dispatch(action, state, batch_fn, options_fn)
             except (RuntimeError, ValueError) as err:
                 raise ExecutionError(
                     f"rank {self.rank} failed at step {i} ({action}): {err}\n{self.plan.format_table({self.rank: i})}"
