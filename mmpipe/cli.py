@@ -18,7 +18,7 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from mmpipe.config import GenerateConfig, PlanConfig, ProfileConfig, RunConfig, from_dict
+from mmpipe.config import GenerateConfig, PlanConfig, ProfileConfig, RunConfig, ServeConfig, from_dict
 
 USAGE = """usage: mmpipe COMMAND [key=value ...] [--cfg] [--json]
 
@@ -27,6 +27,8 @@ commands:
   generate   render a prompt with a trained run: mmpipe generate ckpt=RUN_DIR prompt="..."
   plan       plan a model on a cluster: mmpipe plan model=wan14b_t2v cluster=h200_512 [--json]
   profile    calibrate the planner's cost model on this machine: mmpipe profile model=t2v_tiny
+  report     profiling dashboard of runs, one offline HTML file: mmpipe report RUN_DIR [RUN_DIR ...] [--out FILE]
+  serve      OpenAI-compatible video / image API: mmpipe serve [pipeline=DIR | ckpt=RUN_DIR] port=8000
 
 Overrides use Hydra syntax: model=t2v_tiny_qwen train.steps=50 data.root=/videos
 --cfg prints the composed config and exits; --json (plan) prints the plan as JSON."""
@@ -57,6 +59,13 @@ def _run_generate(raw: dict[str, Any]) -> None:
 
     for kind, path in generate(cfg).items():
         print(f"{kind}: {path}")
+
+
+def _run_serve(raw: dict[str, Any]) -> None:
+    cfg = from_dict(ServeConfig, raw)
+    from mmpipe.serve.server import serve
+
+    serve(cfg)
 
 
 def _run_plan(raw: dict[str, Any]) -> None:
@@ -112,6 +121,7 @@ COMMANDS: dict[str, Callable[[dict[str, Any]], None]] = {
     "generate": _run_generate,
     "plan": _run_plan,
     "profile": _run_profile,
+    "serve": _run_serve,
 }
 
 
@@ -122,8 +132,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(USAGE)
         return 0 if args else 2
     command, overrides = args[0], args[1:]
+    if command == "report":  # paths, not a Hydra config
+        return _run_report(overrides)
     if command not in COMMANDS:
-        print(f"mmpipe: unknown command {command!r}; commands: {sorted(COMMANDS)}\n\n{USAGE}", file=sys.stderr)
+        print(f"mmpipe: unknown command {command!r}; commands: {sorted([*COMMANDS, "report"])}\n\n{USAGE}", file=sys.stderr)
         return 2
     show = "--cfg" in overrides
     if "--json" in overrides:
@@ -154,6 +166,32 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"mmpipe {command}: {err}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _run_report(args: list[str]) -> int:
+    """``mmpipe report RUN_DIR [RUN_DIR ...] [--out FILE]``: write the HTML report, print its path."""
+    from pathlib import Path
+
+    out = None
+    if "--out" in args:
+        i = args.index("--out")
+        if i + 1 >= len(args):
+            print("mmpipe report: error: --out needs a file name", file=sys.stderr)
+            return 2
+        out, args = Path(args[i + 1]), args[:i] + args[i + 2 :]
+    if not args or any(a.startswith("-") for a in args):
+        print(f"mmpipe report: error: expected run directories, got {args}\n\n{USAGE}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from mmpipe.report import write_report
+
+    try:
+        path = write_report([Path(a) for a in args], out)
+    except ValueError as err:
+        print(f"mmpipe report: error: {err}", file=sys.stderr)
+        return 2
+    print(f"report: {path}")
     return 0
 
 

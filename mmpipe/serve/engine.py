@@ -197,7 +197,9 @@ class Engine:
             if unfinished >= self.cfg.max_queue:
                 self.metrics.request_finished("rejected")
                 raise QueueFull(self.cfg.max_queue, retry_after=self._retry_after(unfinished))
-            route = _Route(*(self._least_loaded(s) for s in ("text", "denoise", "decode")))
+            text = self._least_loaded("text", None)
+            denoise = self._least_loaded("denoise", text)
+            route = _Route(text, denoise, self._least_loaded("decode", denoise))
             job = Job(request)
             number = next(self._numbers)
             timeout = request.timeout_s or self.cfg.timeout_s
@@ -212,9 +214,11 @@ class Engine:
             self._inboxes[g].put(payload)
         return job
 
-    def _least_loaded(self, stage: str) -> int:
+    def _least_loaded(self, stage: str, previous: int | None) -> int:
+        """The group of ``stage`` with the fewest unfinished requests; among equals, the group of the
+        request's previous stage (its tensors then stay in the process), then the lowest index."""
         groups = self.cfg.placement[stage]
-        return min(groups, key=lambda g: (self._load[(stage, g)], g))
+        return min(groups, key=lambda g: (self._load[(stage, g)], g != previous, g))
 
     def _retry_after(self, unfinished: int) -> float:
         done = [t.job for t in self._jobs.values() if t.job.status is JobStatus.COMPLETED and t.job.started_at]
