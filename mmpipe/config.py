@@ -296,6 +296,7 @@ class ServeConfig:
     ckpt: str | None = None
     model_name: str = "mmpipe-wan"  # the model id clients send (GET /v1/models lists it)
     text_len: int = 0  # prompt tokens; 0: model.text_len for the preset, 512 (WanPipeline's) for pipeline=DIR
+    run_dir: str | None = None  # events, memory samples and the config; None: runs/serve-<timestamp>
     host: str = "127.0.0.1"
     port: int = 8000  # 0: any free port
     placement: dict[str, Any] = dataclasses.field(

@@ -120,10 +120,19 @@ class Window:
         return max(0.0, inside)
 
 
+def main_phase(events: Iterable[Mapping[str, Any]]) -> str:
+    """The phase the figures are about: ``train`` for a training run (validation passes are excluded),
+    else ``serve`` for a serving run (``mmpipe serve``: one window over all of it)."""
+    phases = {e["phase"] for e in events}
+    return "train" if "train" in phases or "serve" not in phases else "serve"
+
+
 def steady_window(events: Iterable[Mapping[str, Any]]) -> Window | None:
-    """The window of the run's steady-state training steps (``None`` without training events)."""
+    """The window of the run's steady-state training steps, or of the whole of a serving run
+    (``None`` without such events)."""
     events = list(events)
-    train = [e for e in events if e["phase"] == "train"]
+    main = main_phase(events)
+    train = [e for e in events if e["phase"] == main]
     if not train:
         return None
     ends: dict[int, float] = defaultdict(float)
@@ -138,7 +147,7 @@ def steady_window(events: Iterable[Mapping[str, Any]]) -> Window | None:
     end = ends[last]
     passes: dict[tuple[str, int], tuple[float, float]] = {}  # a validation pass: first start to last end, all ranks
     for e in events:
-        if e["phase"] != "train":
+        if e["phase"] != main:
             a, b = passes.get((e["phase"], e["step"]), (e["start"], e["end"]))
             passes[(e["phase"], e["step"])] = (min(a, e["start"]), max(b, e["end"]))
     val = _merge([(max(a, start), min(b, end)) for a, b in passes.values()])
@@ -196,9 +205,10 @@ def trainable_stages(events: Iterable[Mapping[str, Any]]) -> set[str]:
 def rank_shares(events: list[dict[str, Any]], window: Window) -> dict[int, TimeShare]:
     """Per rank: compute, communication, frozen and trainable compute seconds in the window."""
     trainable = trainable_stages(events)
+    main = main_phase(events)
     acc: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for e in events:
-        if e["phase"] != "train":
+        if e["phase"] != main:
             continue
         t = window.clip(e["start"], e["end"])
         a = acc[e["rank"]]
@@ -216,10 +226,11 @@ def stage_shares(events: list[dict[str, Any]], window: Window) -> dict[str, tupl
     compute: dict[str, float] = defaultdict(float)
     comm: dict[str, float] = defaultdict(float)
     ranks: dict[str, set[int]] = defaultdict(set)
+    main = main_phase(events)
     for e in events:
         stage = event_stage(e)
         ranks[stage].add(e["rank"])
-        if e["phase"] != "train":
+        if e["phase"] != main:
             continue
         t = window.clip(e["start"], e["end"])
         if e["kind"] in COMPUTE:
@@ -262,8 +273,9 @@ class EdgeTraffic:
 def edge_traffic(events: list[dict[str, Any]], window: Window) -> list[EdgeTraffic]:
     """Per edge and direction: messages, bytes (counted by the sender), send and receive seconds."""
     acc: dict[tuple[str, str, bool], dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    main = main_phase(events)
     for e in events:
-        if e["phase"] != "train" or e["kind"] not in TRANSFER or not window.first <= e["step"] <= window.last:
+        if e["phase"] != main or e["kind"] not in TRANSFER or not window.first <= e["step"] <= window.last:
             continue
         a = acc[(e["stage"], e["dst"], e["kind"].endswith("G"))]
         if e["kind"].startswith("SEND"):
@@ -352,6 +364,14 @@ def summarize(run: Run, *, predict: bool = True) -> Summary:
                 prediction = predict_run(run, workload, cluster)
         except ValueError as err:  # e.g. a model the cost model cannot build: the report goes on
             notes.append(f"no cost model for this run: {err}")
+    elif main_phase(run.events) == "serve" and window is not None:
+        # One decode event per batch; "batch" counts its requests.
+        served = sum(int(e.get("batch", 1)) for e in run.events if e["stage"] == "decode" and e["kind"] == "F")
+        notes.append(
+            f"serving run (mmpipe serve): one window over all of it, {window.wall:.3f} s, in which "
+            f"{served} requests finished ({served / max(window.wall, 1e-9):.3g}/s); "
+            "'step time' is that window's length"
+        )
     elif cfg is None:
         notes.append("no config.yaml: throughput, MFU and the prediction need the run's config")
     peaks = memory_peaks(run.memory)

@@ -149,7 +149,7 @@ def _leak_results(prof: torch.profiler.profile) -> None:
 
 
 # ---- the merged Chrome / Perfetto trace ----------------------------------------------------------
-_PHASE_TID = {"train": 0, "val": 1}
+_PHASE_TID = {"train": 0, "val": 1, "serve": 0}
 
 
 def chrome_trace(events: list[dict[str, Any]], memory: list[dict[str, Any]] | None = None) -> dict[str, Any]:

@@ -45,8 +45,9 @@ from typing import Any
 
 import numpy as np
 import torch
+import yaml
 
-from mmpipe.config import ServeConfig
+from mmpipe.config import ServeConfig, to_dict
 from mmpipe.serve.protocol import GenerationRequest, Job, JobStatus, QueueFull
 
 logger = logging.getLogger(__name__)
@@ -103,6 +104,9 @@ class Engine:
         self.metrics = metrics
         self._tmp: str | None = None
         self._spec = self._source_spec(cfg)
+        self.run_dir = Path(cfg.run_dir or f"runs/serve-{time.strftime('%Y%m%d-%H%M%S')}")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "serve.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         self._lock = threading.Lock()
         self._jobs: dict[str, _Tracked] = {}
         self._by_number: dict[int, _Tracked] = {}
@@ -119,7 +123,7 @@ class Engine:
         threads = cfg.threads or max(1, (os.cpu_count() or 1) // world)
         from mmpipe.runtime.launch import free_port
 
-        init = {"port": free_port(), "world": world, "threads": threads}
+        init = {"port": free_port(), "world": world, "threads": threads, "run_dir": str(self.run_dir)}
         options = {k: getattr(cfg, k) for k in ("max_batch", "max_wait_ms")} | {"placement": cfg.placement}
         self._procs = [
             ctx.Process(
@@ -361,7 +365,7 @@ def _worker_main(
                 timeout=datetime.timedelta(seconds=600),
             )
         graph = (graph_factory or default_graph)(spec)
-        worker = _GroupWorker(group, init["world"], graph, options, inbox, outbox)
+        worker = _GroupWorker(group, init["world"], graph, options, inbox, outbox, Path(init["run_dir"]))
     except Exception as err:
         outbox.put(("fatal", group, f"{type(err).__name__}: {err}"))
         raise
@@ -372,6 +376,7 @@ def _worker_main(
         outbox.put(("fatal", group, f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
         raise
     finally:
+        worker.close()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
 
@@ -401,7 +406,11 @@ class _Denoising:
 class _GroupWorker:
     """One group's loop: control messages, p2p messages, then at most one batch per stage."""
 
-    def __init__(self, group: int, world: int, graph: Any, options: dict[str, Any], inbox: Any, outbox: Any) -> None:
+    def __init__(
+        self, group: int, world: int, graph: Any, options: dict[str, Any], inbox: Any, outbox: Any, run_dir: Path
+    ) -> None:
+        from mmpipe.report.recording import MemorySampler
+        from mmpipe.runtime.events import EventRecorder
         from mmpipe.serve.batching import make_row_exact
 
         self.group, self.world, self.graph = group, world, graph
@@ -419,6 +428,12 @@ class _GroupWorker:
         self.latents_in: dict[int, tuple[torch.Tensor, float]] = {}
         self.active: dict[int, _Denoising] = {}
         self.decode_queue: collections.deque[tuple[int, torch.Tensor, float]] = collections.deque()
+        # Every batch and transfer as an action event (phase "serve", mb = the request's number), and
+        # memory samples: what `mmpipe report RUN_DIR` reads, as for a training run.
+        self.recorder = EventRecorder(run_dir, group)
+        self.recorder.phase = "serve"
+        self.record_lock = threading.Lock()
+        self.memory = MemorySampler(run_dir, group, lambda: 0)
         self.events: queue.Queue[tuple[str, Any]] = queue.Queue()  # ("control" | "p2p", message)
         self.stopping = False
         threading.Thread(target=self._forward_inbox, name="inbox", daemon=True).start()
@@ -426,22 +441,39 @@ class _GroupWorker:
             if peer != group:
                 threading.Thread(target=self._receive_from, args=(peer,), name=f"recv{peer}", daemon=True).start()
 
+    def _record(self, stage: str, kind: str, number: int, start: float, nbytes: int = 0, **extra: Any) -> None:
+        from mmpipe.sched.plan import Action, ActionKind
+
+        action = Action(stage, ActionKind(kind), number, extra.pop("dst", None), extra.pop("peer", None))
+        with self.record_lock:
+            self.recorder.record(action, start, time.perf_counter(), nbytes, **extra)
+
+    def close(self) -> None:
+        """Flush the events and stop the memory sampler."""
+        with self.record_lock:
+            self.recorder.close()
+        self.memory.close()
+
     # ---- transport ---------------------------------------------------------------------------
     def _receive_from(self, peer: int) -> None:
         """Receiver thread of one peer: whole messages, in order, into the loop's event queue. (Gloo's
         point-to-point works report completion only from ``wait()``, so a thread blocks on them.)"""
-        from mmpipe.runtime.transport import HEADER_LEN, parse_header
+        from mmpipe.runtime.transport import HEADER_LEN, nbytes, parse_header
 
         try:
             while True:
                 header = torch.empty(HEADER_LEN, dtype=torch.int64)
                 torch.distributed.recv(header, src=peer, tag=_TAG)
+                start = time.perf_counter()  # the message has begun to arrive (waiting is idle, not transfer)
                 tensors = []
                 for dtype, shape in parse_header(header):
                     t = torch.empty(shape, dtype=dtype)
                     if t.numel():
                         torch.distributed.recv(t, src=peer, tag=_TAG)
                     tensors.append(t)
+                kind, number = (int(v) for v in tensors[0].tolist())
+                src, dst = ("text", "denoise") if kind == _CONTEXT else ("denoise", "decode")
+                self._record(src, "RECV", number, start, nbytes(tensors[1:]), dst=dst, peer=peer)
                 self.events.put(("p2p", tensors))
         except Exception as err:  # the peer is gone: the front end sees the dead process
             if not self.stopping:
@@ -454,9 +486,12 @@ class _GroupWorker:
         if dst == self.group:
             self._deliver(kind, number, tensors)
             return
+        start = time.perf_counter()
         message = [torch.tensor([kind, number], dtype=torch.int64), *tensors]
         for work in isend_tensors(message, dst=dst, tag=_TAG):
             work.wait()  # the peer's receiver thread is always posted: this returns at once
+        src_stage, dst_stage = edge.split("->")
+        self._record(src_stage, "SEND", number, start, nbytes(tensors), dst=dst_stage, peer=dst)
 
     def _deliver(self, kind: int, number: int, tensors: list[torch.Tensor]) -> None:
         if number in self.dropped:
@@ -540,6 +575,9 @@ class _GroupWorker:
             ran = self._run_text()
             ran |= self._run_denoise_step()
             ran |= self._run_decode()
+            if not ran:
+                with self.record_lock:
+                    self.recorder.flush()  # before blocking: the run directory is current when idle
             timeout = 0.0 if ran else self._idle_timeout()
 
     def _idle_timeout(self) -> float | None:
@@ -579,6 +617,7 @@ class _GroupWorker:
             self._send(req.route.denoise, _CONTEXT, number, tensors, "text->denoise")
         ready = min((self.requests[n].arrived for n in batch if n in self.requests), default=start)
         self.outbox.put(("stage", "text", start - ready, time.perf_counter() - start, len(batch)))
+        self._record("text", "F", batch[0], start, batch=len(batch))
         return True
 
     def _start_denoising(self, req: _Request, tensors: list[torch.Tensor], ready: float) -> _Denoising:
@@ -633,6 +672,8 @@ class _GroupWorker:
                 self._send(req.route.decode, _LATENTS, d.number, [d.latents], "denoise->decode")
         queue_s = start - first.ready if first.step == 0 else 0.0
         self.outbox.put(("stage", "denoise", queue_s, time.perf_counter() - start, len(batch)))
+        if batch:
+            self._record("denoise", "F", batch[0].number, start, batch=len(batch))
         return True
 
     def _dit(self, batch: list[_Denoising]) -> list[torch.Tensor]:
@@ -677,4 +718,5 @@ class _GroupWorker:
                 continue
             self.requests.pop(number, None)
         self.outbox.put(("stage", "decode", start - min(e[2] for e in batch), time.perf_counter() - start, len(batch)))
+        self._record("decode", "F", batch[0][0], start, batch=len(batch))
         return True

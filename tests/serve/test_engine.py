@@ -36,9 +36,10 @@ class RecordingMetrics(ServeMetrics):
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_wan_dir: Path) -> Iterator[Engine]:
+def engine(tiny_wan_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     cfg = ServeConfig(
         pipeline=str(tiny_wan_dir),
+        run_dir=str(tmp_path_factory.mktemp("serve_run")),
         text_len=16,
         placement={"text": [0], "denoise": [1], "decode": [0]},
         threads=1,
@@ -99,6 +100,28 @@ def test_batched_requests_equal_their_offline_runs(engine: Engine, tiny_wan_dir:
         assert np.array_equal(job.frames, offline(tiny_wan_dir, r)), f"seed {r.seed}: batched output differs"
     body, _ = metrics.render()
     assert b'mmpipe_serve_edge_bytes_total{edge="text->denoise"}' in body
+
+
+def test_the_run_directory_has_events_memory_and_a_report(engine: Engine) -> None:
+    from mmpipe.report.analysis import edge_traffic, load_run, rank_shares, stage_shares, steady_window, summarize
+    from mmpipe.report.html import write_report
+
+    time.sleep(0.5)  # the memory samplers' next records
+    run = load_run(engine.run_dir)
+    assert {e["phase"] for e in run.events} == {"serve"}
+    assert {e["rank"] for e in run.memory} == {0, 1}
+    window = steady_window(run.events)
+    assert window is not None
+    shares = rank_shares(run.events, window)
+    assert set(shares) == {0, 1} and all(0 < s.busy_fraction <= 1 for s in shares.values())
+    stages = stage_shares(run.events, window)
+    assert stages["text"][0] == (0,) and stages["denoise"][0] == (1,) and stages["decode"][0] == (0,)
+    edges = {(t.src, t.dst): t for t in edge_traffic(run.events, window)}
+    assert edges[("text", "denoise")].messages >= 6 and edges[("denoise", "decode")].bytes > 0
+    summary = summarize(run, predict=False)
+    assert any("serving run" in n and "6 requests finished" in n for n in summary.notes), summary.notes
+    page = write_report([engine.run_dir]).read_text()
+    assert "rank 0" in page and "rank 1" in page and "serving run" in page
 
 
 def test_timeout_fails_the_request_and_frees_the_group(engine: Engine) -> None:
