@@ -82,11 +82,12 @@ def run_diffusers(path: Path, args: argparse.Namespace, seeds: list[int]) -> dic
     return {"latencies": latencies, "total": total, "frames": frames}
 
 
-def run_mmpipe(path: Path, args: argparse.Namespace, seeds: list[int]) -> dict[str, Any]:
+def run_mmpipe(path: Path, args: argparse.Namespace, seeds: list[int], run_dir: Path) -> dict[str, Any]:
     import openai
 
     cfg = ServeConfig(
         pipeline=str(path),
+        run_dir=str(run_dir),
         text_len=args.text_len,
         placement=json.loads(args.placement),
         max_batch=args.max_batch,
@@ -172,6 +173,7 @@ def main() -> None:
     parser.add_argument("--text-len", type=int, default=16)
     parser.add_argument("--max-batch", type=int, default=4)
     parser.add_argument("--max-wait-ms", type=float, default=5.0)
+    parser.add_argument("--run-dir", default=None, help="keep the server's run directory (for mmpipe report)")
     parser.add_argument("--placement", default='{"text": [0], "denoise": [0, 1], "decode": [1]}')
     args = parser.parse_args()
 
@@ -179,7 +181,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = save_tiny_wan_pipeline(ModelConfig(), [*caption_vocabulary(), *PROMPTS], Path(tmp) / "wan", seed=0)
         base = run_diffusers(path, args, seeds)
-        ours = run_mmpipe(path, args, seeds)
+        ours = run_mmpipe(path, args, seeds, Path(args.run_dir) if args.run_dir else Path(tmp) / "serve_run")
     equal = all(np.array_equal(a, b) for a, b in zip(base["frames"], ours["frames"], strict=True))
     base_vpm = 60 * args.requests / base["total"]
     ours_vpm = 60 * args.requests / ours["total"]
