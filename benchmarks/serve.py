@@ -6,7 +6,7 @@ and settings on both sides:
 * **diffusers**: ``N`` requests through ``pipe(...)`` one after another, in this process, with
   torch's default threads (all cores).
 * **mmpipe**: the engine with a 2-group placement (default: text on group 0, DiT replicas on
-  groups 0 and 1, VAE decode on group 1; one worker process and ``cores / 2`` threads per group)
+  groups 0 and 1, VAE decode on both, where the request denoised; one worker process and ``cores / 2`` threads per group)
   behind the real HTTP server; ``--clients`` concurrent clients (the official ``openai`` client, one
   thread each) send the same ``N`` requests, each client creating a video, polling it every 10 ms
   and downloading the MP4, one request after another.
@@ -174,7 +174,7 @@ def main() -> None:
     parser.add_argument("--max-batch", type=int, default=4)
     parser.add_argument("--max-wait-ms", type=float, default=5.0)
     parser.add_argument("--run-dir", default=None, help="keep the server's run directory (for mmpipe report)")
-    parser.add_argument("--placement", default='{"text": [0], "denoise": [0, 1], "decode": [1]}')
+    parser.add_argument("--placement", default='{"text": [0], "denoise": [0, 1], "decode": [0, 1]}')
     args = parser.parse_args()
 
     seeds = [1000 + i for i in range(args.requests)]

@@ -300,7 +300,7 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8000  # 0: any free port
     placement: dict[str, Any] = dataclasses.field(
-        default_factory=lambda: {"text": [0], "denoise": [0, 1], "decode": [1]}
+        default_factory=lambda: {"text": [0], "denoise": [0, 1], "decode": [0, 1]}
     )
     threads: int = 0  # torch threads per group; 0: the machine's cores / groups
     max_batch: int = 4  # requests a stage runs as one batch
