@@ -307,6 +307,7 @@ class ServeConfig:
     max_wait_ms: float = 5.0  # how long a stage waits for a batch to fill
     max_queue: int = 64  # unfinished requests; more -> HTTP 429
     timeout_s: float = 600.0  # per request, from its creation
+    keep_results: int = 64  # finished jobs (and their frames) kept for GET; older ones are forgotten (404)
     # Defaults of a request, and the limits of what one may ask for.
     height: int = 64
     width: int = 64
@@ -321,7 +322,19 @@ class ServeConfig:
     max_prompt_chars: int = 2000
 
     def __post_init__(self) -> None:
-        _positive("serve", self, "max_batch", "max_queue", "timeout_s", "height", "width", "frames", "steps", "fps")
+        _positive(
+            "serve",
+            self,
+            "max_batch",
+            "max_queue",
+            "keep_results",
+            "timeout_s",
+            "height",
+            "width",
+            "frames",
+            "steps",
+            "fps",
+        )
         _positive("serve", self, "max_height", "max_width", "max_frames", "max_steps", "max_prompt_chars")
         if self.max_wait_ms < 0 or self.threads < 0 or self.text_len < 0:
             raise ValueError("serve: max_wait_ms, threads and text_len must be >= 0")

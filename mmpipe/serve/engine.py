@@ -254,7 +254,16 @@ class Engine:
         if status is not JobStatus.COMPLETED:
             for g in sorted(tracked.route.groups):
                 self._inboxes[g].put(("drop", tracked.number))
+        self._forget_old()
         return True
+
+    def _forget_old(self) -> None:
+        """Keep the newest ``serve.keep_results`` finished jobs (their frames can be large)."""
+        with self._lock:
+            finished = [t for t in self._jobs.values() if t.job.status.done]
+            for t in sorted(finished, key=lambda t: t.job.completed_at or 0)[: -self.cfg.keep_results]:
+                del self._jobs[t.job.id]
+                del self._by_number[t.number]
 
     # ---- messages from the groups ------------------------------------------------------------
     def _read_loop(self) -> None:

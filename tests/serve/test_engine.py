@@ -136,6 +136,26 @@ def test_timeout_fails_the_request_and_frees_the_group(engine: Engine) -> None:
     assert engine.metrics.render()[0].count(b'mmpipe_serve_requests_total{status="failed"} 1.0') == 1
 
 
+def test_only_the_newest_finished_jobs_are_kept(engine: Engine) -> None:
+    keep = engine.cfg.keep_results
+    engine.cfg.keep_results = 2
+    try:
+        jobs = []
+        for seed in range(3):
+            jobs.append(
+                engine.submit(
+                    GenerationRequest(
+                        prompt="a red circle moving left", height=32, width=32, frames=1, steps=1, seed=seed
+                    )
+                )
+            )
+            assert jobs[-1].wait(60) and jobs[-1].status is JobStatus.COMPLETED
+        assert engine.get(jobs[0].id) is None  # forgotten: its frames are freed
+        assert engine.get(jobs[1].id) is jobs[1] and engine.get(jobs[2].id) is jobs[2]
+    finally:
+        engine.cfg.keep_results = keep
+
+
 def test_a_dead_group_fails_its_requests_and_the_engine_refuses_new_ones(engine: Engine) -> None:
     job = engine.submit(GenerationRequest(prompt="a red circle moving left", height=64, width=64, frames=17, steps=100))
     deadline = time.monotonic() + 30
