@@ -322,19 +322,8 @@ class ServeConfig:
     max_prompt_chars: int = 2000
 
     def __post_init__(self) -> None:
-        _positive(
-            "serve",
-            self,
-            "max_batch",
-            "max_queue",
-            "keep_results",
-            "timeout_s",
-            "height",
-            "width",
-            "frames",
-            "steps",
-            "fps",
-        )
+        _positive("serve", self, "max_batch", "max_queue", "keep_results", "timeout_s", "fps")
+        _positive("serve", self, "height", "width", "frames", "steps")
         _positive("serve", self, "max_height", "max_width", "max_frames", "max_steps", "max_prompt_chars")
         if self.max_wait_ms < 0 or self.threads < 0 or self.text_len < 0:
             raise ValueError("serve: max_wait_ms, threads and text_len must be >= 0")
