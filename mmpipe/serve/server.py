@@ -82,7 +82,6 @@ def serve(cfg: ServeConfig) -> None:
         print(f"mmpipe serve: {http.url}", flush=True)
         print(engine.placement_text(), flush=True)
         _wait_for_signal(http)
-        print("mmpipe serve: draining in-flight requests", flush=True)
     finally:
         engine.close(drain=True)
     print("mmpipe serve: stopped", flush=True)
@@ -94,6 +93,8 @@ def _wait_for_signal(http: HttpServer) -> None:
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         nonlocal stopping
+        if not stopping:
+            print("mmpipe serve: stopping: finishing in-flight requests (Ctrl-C again to stop waiting)", flush=True)
         http.stop(force=stopping)
         stopping = True
 

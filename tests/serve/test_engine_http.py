@@ -38,9 +38,10 @@ SLOW = {"size": "64x64", "frames": 17, "steps": 100}  # seconds per request on t
 
 
 @pytest.fixture(scope="module")
-def served(tiny_wan_dir: Path) -> Iterator[tuple[Engine, str]]:
+def served(tiny_wan_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engine, str]]:
     cfg = ServeConfig(
         pipeline=str(tiny_wan_dir),
+        run_dir=str(tmp_path_factory.mktemp("serve_run")),
         text_len=16,
         timeout_s=60.0,
         port=0,

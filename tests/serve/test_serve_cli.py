@@ -1,0 +1,83 @@
+"""``mmpipe serve`` end to end in a subprocess: prints its URL and placement, serves, and on Ctrl-C
+(SIGINT to its whole process group, as a terminal sends it) finishes the in-flight request, then
+exits with status 0."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+from serve_doubles import call
+
+SMALL = ["port=0", "text_len=16", "threads=1", "height=32", "width=32", "frames=5", "steps=4"]
+
+
+def test_serve_prints_url_and_drains_on_ctrl_c(tiny_wan_dir: Path, tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "mmpipe.cli", "serve", f"pipeline={tiny_wan_dir}", *SMALL]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    reader = threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout or []], daemon=True)
+    reader.start()
+    try:
+        url = _wait_for_url(lines)
+        assert re.match(r"group 0 \(rank 0.*\): text", lines.get(timeout=10))
+        assert call(url + "/health")[0] == 200
+        # An image request in flight when Ctrl-C arrives is answered before the server exits.
+        answer: list[tuple[int, dict[str, str], bytes]] = []
+        body = {"prompt": "in flight", "size": "64x64", "steps": 40, "seed": 1}
+        client = threading.Thread(target=lambda: answer.append(call(url + "/v1/images/generations", "POST", body)))
+        client.start()
+        assert _until(lambda: _queue_depth(url) == 1), "the image request never reached the engine"
+        os.killpg(proc.pid, signal.SIGINT)
+        client.join(timeout=120)
+        proc.wait(timeout=120)
+        reader.join(timeout=10)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert answer and answer[0][0] == 200, answer
+    assert json.loads(answer[0][2])["data"][0]["b64_json"]
+    assert proc.returncode == 0
+    rest = [lines.get_nowait() for _ in range(lines.qsize())]
+    ours = [line for line in rest if line.startswith("mmpipe serve:")]  # uvicorn's access log is interleaved
+    assert ours[-1] == "mmpipe serve: stopped\n" and ours[-2].startswith("mmpipe serve: stopping: finishing"), rest
+
+
+def _wait_for_url(lines: queue.Queue[str], timeout: float = 120.0) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = lines.get(timeout=deadline - time.monotonic())
+        match = re.fullmatch(r"mmpipe serve: (http://127\.0\.0\.1:\d+)\n", line)
+        if match:
+            return match[1]
+    raise AssertionError("mmpipe serve printed no URL")
+
+
+def _queue_depth(url: str) -> float:
+    text = call(url + "/metrics")[2].decode()
+    for family in text_string_to_metric_families(text):
+        if family.name == "mmpipe_serve_queue_depth":
+            return family.samples[0].value
+    return 0.0
+
+
+def _until(predicate: object, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():  # type: ignore[operator]
+            return True
+        time.sleep(0.02)
+    return False
