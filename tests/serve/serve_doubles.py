@@ -38,7 +38,8 @@ class FakeEngine:
 
     def __init__(self, cfg: ServeConfig, *, hold: bool = False) -> None:
         self.cfg, self.model_id, self.metrics = cfg, cfg.model_name, ServeMetrics()
-        self.healthy, self.fatal = True, None
+        self.healthy: bool = True
+        self.fatal: str | None = None
         self.hold = hold
         self.jobs: dict[str, Job] = {}
         self.submitted: list[Job] = []

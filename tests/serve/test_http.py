@@ -155,9 +155,9 @@ def test_body_that_is_not_a_json_object_is_400(engine: FakeEngine, url: str, raw
 
 def test_openai_client_multipart_fields_are_typed(engine: FakeEngine, client: openai.OpenAI) -> None:
     """The client posts create-video as multipart form data: every extra field arrives as text."""
-    video = client.videos.create(
+    video = client.videos.create(  # any WxH size, beyond the client's typed list
         prompt="a blue square",
-        size="32x64",  # type: ignore[arg-type]  (WxH sizes beyond OpenAI's list)
+        size="32x64",  # type: ignore[arg-type]
         extra_body={"seed": 7, "steps": 3, "frames": 9, "guidance": 4.5, "negative_prompt": "blurry"},
     )
     r = engine.submitted[0].request

@@ -28,7 +28,12 @@ def test_serve_prints_url_and_drains_on_ctrl_c(tiny_wan_dir: Path, tmp_path: Pat
         cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True
     )
     lines: queue.Queue[str] = queue.Queue()
-    reader = threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout or []], daemon=True)
+
+    def read() -> None:
+        for line in proc.stdout or []:
+            lines.put(line)
+
+    reader = threading.Thread(target=read, daemon=True)
     reader.start()
     try:
         url = _wait_for_url(lines)
