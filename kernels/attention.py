@@ -25,7 +25,7 @@ Legend: B batch, H heads, S query length, T key length, D head dim.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -100,6 +100,12 @@ def attention_reference_backward(
 # Triton kernels
 # ---------------------------------------------------------------------------------------------------------------
 
+# Every kernel serves both layouts. Uniform (VARLEN false): program (block, b * H + h) works on batch entry b,
+# found through the batch strides, whose sequences are S_max queries and T_max keys long. Packed (VARLEN): the
+# batch strides are 0 and sequence b is rows CuQ[b]:CuQ[b + 1] (queries) and CuK[b]:CuK[b + 1] (keys) of the
+# sequence axis; the grid covers the longest sequence (S_max, T_max) and blocks past a shorter one's end exit.
+# Sequence-relative row / column indices are the same in both, so are the causal mask and the tiles.
+
 if AVAILABLE:
 
     @triton.jit
@@ -113,12 +119,27 @@ if AVAILABLE:
         return tl.dot(a, b, input_precision=PREC, out_dtype=ACC)
 
     @triton.jit
+    def _seq_span(Cu, b, n, VARLEN: tl.constexpr):
+        """``(start, length)`` of sequence ``b`` on the sequence axis: rows ``Cu[b]:Cu[b + 1]`` of a packed
+        batch (VARLEN), else rows ``0:n`` of batch entry ``b`` (which the batch stride places)."""
+        if VARLEN:
+            start = tl.load(Cu + b)
+            length = tl.load(Cu + b + 1) - start
+            start = start.to(tl.int64)
+        else:
+            start = b * 0
+            length = n
+        return start, length
+
+    @triton.jit
     def _fwd_kernel(
         Q,
         K,
         V,
         Out,
         Lse,
+        CuQ,
+        CuK,
         sqb,
         sqh,
         sqs,
@@ -139,11 +160,12 @@ if AVAILABLE:
         slh,
         sls,
         H,
-        S,
-        T,
+        S_max,
+        T_max,
         scale_hi,
         scale_lo,
         CAUSAL: tl.constexpr,
+        VARLEN: tl.constexpr,
         HEAD_D: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -151,12 +173,16 @@ if AVAILABLE:
         UPCAST: tl.constexpr,
         PREC: tl.constexpr,
     ):
-        """One program: BLOCK_M queries of one (batch, head) against all (visible) keys, online softmax."""
+        """One program: BLOCK_M queries of one (sequence, head) against all (visible) keys, online softmax."""
         pid_m = tl.program_id(0)
         bh = tl.program_id(1)
         b = (bh // H).to(tl.int64)
         h = (bh % H).to(tl.int64)
+        q0, S = _seq_span(CuQ, b, S_max, VARLEN)
+        k0, T = _seq_span(CuK, b, T_max, VARLEN)
         start_m = pid_m * BLOCK_M
+        if start_m >= S:
+            return
         offs_m = tl.arange(0, BLOCK_M)
         offs_n = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, HEAD_D)
@@ -164,11 +190,11 @@ if AVAILABLE:
         row_ok_M = rows_M < S
 
         # 64-bit base offsets (batch, head, block start); tile offsets stay small.
-        m64 = start_m.to(tl.int64)
+        m64 = q0 + start_m
         q_ptrs = Q + b * sqb + h * sqh + m64 * sqs + offs_m[:, None] * sqs + offs_d[None, :] * sqd
         q_MD = tl.load(q_ptrs, mask=row_ok_M[:, None], other=0.0)
-        kt_ptrs = K + b * skb + h * skh + offs_n[None, :] * skt + offs_d[:, None] * skd  # [D, N]
-        v_ptrs = V + b * svb + h * svh + offs_n[:, None] * svt + offs_d[None, :] * svd  # [N, D]
+        kt_ptrs = K + b * skb + h * skh + k0 * skt + offs_n[None, :] * skt + offs_d[:, None] * skd  # [D, N]
+        v_ptrs = V + b * svb + h * svh + k0 * svt + offs_n[:, None] * svt + offs_d[None, :] * svd  # [N, D]
 
         m_M = tl.full([BLOCK_M], float("-inf"), ACC)
         l_M = tl.zeros([BLOCK_M], ACC)
@@ -211,6 +237,7 @@ if AVAILABLE:
         Out,
         DOut,
         Delta,
+        CuQ,
         sob,
         soh,
         sos,
@@ -219,19 +246,26 @@ if AVAILABLE:
         sdh,
         sds,
         sdd,
+        sxb,
+        sxh,
+        sxs,
         H,
-        S,
+        S_max,
+        VARLEN: tl.constexpr,
         HEAD_D: tl.constexpr,
         BLOCK_M: tl.constexpr,
         ACC: tl.constexpr,
     ):
-        """``delta = rowsum(dout * out)`` into a contiguous ``Delta_BHS`` of the accumulation dtype."""
+        """``delta = rowsum(dout * out)`` into ``Delta`` (laid out like the LSE) of the accumulation dtype."""
         pid_m = tl.program_id(0)
         bh = tl.program_id(1)
         b = (bh // H).to(tl.int64)
         h = (bh % H).to(tl.int64)
+        q0, S = _seq_span(CuQ, b, S_max, VARLEN)
         start_m = pid_m * BLOCK_M
-        m64 = start_m.to(tl.int64)
+        if start_m >= S:
+            return
+        m64 = q0 + start_m
         offs_m = tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, HEAD_D)
         row_ok_M = start_m + offs_m < S
@@ -246,7 +280,7 @@ if AVAILABLE:
             other=0.0,
         ).to(ACC)
         delta_M = tl.sum(o_MD * do_MD, 1)
-        tl.store(Delta + bh.to(tl.int64) * S + m64 + offs_m, delta_M, mask=row_ok_M)
+        tl.store(Delta + b * sxb + h * sxh + m64 * sxs + offs_m * sxs, delta_M, mask=row_ok_M)
 
     @triton.jit
     def _bwd_dkdv_kernel(
@@ -258,6 +292,8 @@ if AVAILABLE:
         Delta,
         DK,
         DV,
+        CuQ,
+        CuK,
         sqb,
         sqh,
         sqs,
@@ -277,6 +313,9 @@ if AVAILABLE:
         slb,
         slh,
         sls,
+        sxb,
+        sxh,
+        sxs,
         sdkb,
         sdkh,
         sdkt,
@@ -286,11 +325,12 @@ if AVAILABLE:
         sdvt,
         sdvd,
         H,
-        S,
-        T,
+        S_max,
+        T_max,
         scale_hi,
         scale_lo,
         CAUSAL: tl.constexpr,
+        VARLEN: tl.constexpr,
         HEAD_D: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -298,15 +338,20 @@ if AVAILABLE:
         UPCAST: tl.constexpr,
         PREC: tl.constexpr,
     ):
-        """One program: ``dk, dv`` of BLOCK_N keys, looping over the query blocks that see them.
+        """One program: ``dk, dv`` of BLOCK_N keys, looping over the query blocks that see them (none for a
+        sequence without queries: zeros).
 
         Works on transposed scores (keys x queries) so that no probability tile needs a transpose."""
         pid_n = tl.program_id(0)
         bh = tl.program_id(1)
         b = (bh // H).to(tl.int64)
         h = (bh % H).to(tl.int64)
+        q0, S = _seq_span(CuQ, b, S_max, VARLEN)
+        k0, T = _seq_span(CuK, b, T_max, VARLEN)
         start_n = pid_n * BLOCK_N
-        n64 = start_n.to(tl.int64)
+        if start_n >= T:
+            return
+        n64 = k0 + start_n
         offs_m = tl.arange(0, BLOCK_M)
         offs_n = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, HEAD_D)
@@ -330,11 +375,11 @@ if AVAILABLE:
             lo = (start_n // BLOCK_M) * BLOCK_M
         else:
             lo = start_n * 0
-        lo64 = lo.to(tl.int64)
+        lo64 = q0 + lo
         qt_ptrs = Q + b * sqb + h * sqh + lo64 * sqs + offs_m[None, :] * sqs + offs_d[:, None] * sqd  # [D, M]
         do_ptrs = DOut + b * sdb + h * sdh + lo64 * sds + offs_m[:, None] * sds + offs_d[None, :] * sdd  # [M, D]
         lse_ptrs = Lse + b * slb + h * slh + lo64 * sls + offs_m * sls
-        delta_ptrs = Delta + bh.to(tl.int64) * S + lo64 + offs_m
+        delta_ptrs = Delta + b * sxb + h * sxh + lo64 * sxs + offs_m * sxs
         for start_m in range(lo, S, BLOCK_M):
             rows_M = start_m + offs_m
             row_ok_M = rows_M < S
@@ -356,7 +401,7 @@ if AVAILABLE:
             qt_ptrs += BLOCK_M * sqs
             do_ptrs += BLOCK_M * sds
             lse_ptrs += BLOCK_M * sls
-            delta_ptrs += BLOCK_M
+            delta_ptrs += BLOCK_M * sxs
 
         dk_ND = dk_ND * scale_hi + dk_ND * scale_lo
         tl.store(
@@ -379,6 +424,8 @@ if AVAILABLE:
         Lse,
         Delta,
         DQ,
+        CuQ,
+        CuK,
         sqb,
         sqh,
         sqs,
@@ -398,16 +445,20 @@ if AVAILABLE:
         slb,
         slh,
         sls,
+        sxb,
+        sxh,
+        sxs,
         sdqb,
         sdqh,
         sdqs,
         sdqd,
         H,
-        S,
-        T,
+        S_max,
+        T_max,
         scale_hi,
         scale_lo,
         CAUSAL: tl.constexpr,
+        VARLEN: tl.constexpr,
         HEAD_D: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -420,8 +471,12 @@ if AVAILABLE:
         bh = tl.program_id(1)
         b = (bh // H).to(tl.int64)
         h = (bh % H).to(tl.int64)
+        q0, S = _seq_span(CuQ, b, S_max, VARLEN)
+        k0, T = _seq_span(CuK, b, T_max, VARLEN)
         start_m = pid_m * BLOCK_M
-        m64 = start_m.to(tl.int64)
+        if start_m >= S:
+            return
+        m64 = q0 + start_m
         offs_m = tl.arange(0, BLOCK_M)
         offs_n = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, HEAD_D)
@@ -439,10 +494,10 @@ if AVAILABLE:
             other=0.0,
         )
         lse_M = tl.load(Lse + b * slb + h * slh + m64 * sls + offs_m * sls, mask=row_ok_M, other=0.0).to(ACC)
-        delta_M = tl.load(Delta + bh.to(tl.int64) * S + m64 + offs_m, mask=row_ok_M, other=0.0)
+        delta_M = tl.load(Delta + b * sxb + h * sxh + m64 * sxs + offs_m * sxs, mask=row_ok_M, other=0.0)
         row_live_M = row_ok_M & (lse_M != float("-inf"))
-        k_ptrs = K + b * skb + h * skh + offs_n[:, None] * skt + offs_d[None, :] * skd  # [N, D]
-        vt_ptrs = V + b * svb + h * svh + offs_n[None, :] * svt + offs_d[:, None] * svd  # [D, N]
+        k_ptrs = K + b * skb + h * skh + k0 * skt + offs_n[:, None] * skt + offs_d[None, :] * skd  # [N, D]
+        vt_ptrs = V + b * svb + h * svh + k0 * svt + offs_n[None, :] * svt + offs_d[:, None] * svd  # [D, N]
         dq_MD = tl.zeros([BLOCK_M, HEAD_D], ACC)
 
         if CAUSAL:
@@ -479,6 +534,17 @@ if AVAILABLE:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def _check_head_dim_and_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    D = q.shape[-1]
+    if D < 16 or D > 128 or D & (D - 1):
+        raise ValueError(f"flash attention supports head dims 16, 32, 64 and 128 (a power of two <= 128), got {D}")
+    if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(
+            f"flash attention needs q, k, v of one dtype among {[str(d) for d in _DTYPES]}, got "
+            f"{q.dtype}, {k.dtype}, {v.dtype}"
+        )
+
+
 def _check_inputs(q_BHSD: torch.Tensor, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor) -> None:
     """Shapes, dtypes and head dim the kernels take (shared by the real and the fake implementations)."""
     if q_BHSD.dim() != 4 or k_BHTD.dim() != 4 or v_BHTD.dim() != 4:
@@ -492,13 +558,66 @@ def _check_inputs(q_BHSD: torch.Tensor, k_BHTD: torch.Tensor, v_BHTD: torch.Tens
             f"flash attention needs k and v of shape (B, H, T, D) matching q {tuple(q_BHSD.shape)}, got "
             f"k {tuple(k_BHTD.shape)}, v {tuple(v_BHTD.shape)}"
         )
-    if D < 16 or D > 128 or D & (D - 1):
-        raise ValueError(f"flash attention supports head dims 16, 32, 64 and 128 (a power of two <= 128), got {D}")
-    if q_BHSD.dtype not in _DTYPES or k_BHTD.dtype != q_BHSD.dtype or v_BHTD.dtype != q_BHSD.dtype:
+    _check_head_dim_and_dtype(q_BHSD, k_BHTD, v_BHTD)
+
+
+def _check_varlen_inputs(
+    q_PHD: torch.Tensor,
+    k_RHD: torch.Tensor,
+    v_RHD: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+) -> None:
+    """Shapes, dtypes and devices of the packed inputs (real and fake implementations; the values of the
+    cumulative lengths are :func:`_check_cu_seqlens`'s)."""
+    if q_PHD.dim() != 3 or k_RHD.dim() != 3 or v_RHD.dim() != 3:
         raise ValueError(
-            f"flash attention needs q, k, v of one dtype among {[str(d) for d in _DTYPES]}, got "
-            f"{q_BHSD.dtype}, {k_BHTD.dtype}, {v_BHTD.dtype}"
+            f"flash_attn_varlen takes packed (total, H, D) tensors, got q {tuple(q_PHD.shape)}, "
+            f"k {tuple(k_RHD.shape)}, v {tuple(v_RHD.shape)}"
         )
+    if k_RHD.shape != v_RHD.shape or k_RHD.shape[1:] != q_PHD.shape[1:]:
+        raise ValueError(
+            f"flash_attn_varlen needs k and v of shape (total_k, H, D) matching q {tuple(q_PHD.shape)}, got "
+            f"k {tuple(k_RHD.shape)}, v {tuple(v_RHD.shape)}"
+        )
+    _check_head_dim_and_dtype(q_PHD, k_RHD, v_RHD)
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 2:
+            raise ValueError(
+                f"{name} must be a 1-D int32 tensor of batch + 1 >= 2 cumulative lengths, got {cu.dtype} of "
+                f"shape {tuple(cu.shape)}"
+            )
+        if cu.device != q_PHD.device or k_RHD.device != q_PHD.device or v_RHD.device != q_PHD.device:
+            raise ValueError(
+                f"flash_attn_varlen needs q, k, v and {name} on one device, got q {q_PHD.device}, "
+                f"k {k_RHD.device}, v {v_RHD.device}, {name} {cu.device}"
+            )
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must describe as many sequences, got {cu_seqlens_q.numel() - 1} "
+            f"and {cu_seqlens_k.numel() - 1}"
+        )
+    if max_seqlen_q < 0 or max_seqlen_k < 0:
+        raise ValueError(f"max_seqlen_q and max_seqlen_k must be >= 0, got {max_seqlen_q} and {max_seqlen_k}")
+
+
+def _check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, max_seqlen: int, name: str) -> None:
+    """``cu_seqlens`` starts at 0, never decreases, ends at ``total`` and has no sequence longer than
+    ``max_seqlen`` (the grid's extent: a longer one would be cut short). Reads the offsets on the host:
+    one device sync per call."""
+    offsets = cu_seqlens.tolist()
+    if offsets[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {offsets[0]}")
+    lengths = [end - start for start, end in zip(offsets, offsets[1:], strict=False)]
+    for i, n in enumerate(lengths):
+        if n < 0:
+            raise ValueError(f"{name} must not decrease, got {offsets[i]} then {offsets[i + 1]} at index {i}")
+        if n > max_seqlen:
+            raise ValueError(f"{name}: sequence {i} has {n} rows, more than max_seqlen {max_seqlen}")
+    if offsets[-1] != total:
+        raise ValueError(f"{name} ends at {offsets[-1]} but the packed tensor has {total} rows")
 
 
 def _check_runnable(*tensors: torch.Tensor) -> None:
@@ -554,8 +673,150 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype in (torch.float32, torch.float64) or _upcast(dtype) else "tf32"
 
 
-def _strides(t: torch.Tensor) -> tuple[int, ...]:
-    return tuple(t.stride())
+def _poisoned(shape: torch.Size | tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A NaN-filled output buffer: an element the kernels fail to write shows up."""
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+def _poisoned_like(t: torch.Tensor) -> torch.Tensor:
+    return _poisoned(t.shape, t.dtype, t.device)
+
+
+class _Layout(NamedTuple):
+    """Where the kernels find ``count`` sequences of ``heads`` heads.
+
+    Uniform (``cu_q`` is None): BHSD tensors, every sequence ``s_max`` queries and ``t_max`` keys long.
+    Packed: sequence ``b`` is rows ``cu_q[b]:cu_q[b + 1]`` of ``(total_q, H, D)`` queries (LSE
+    ``(H, total_q)``) and ``cu_k[b]:cu_k[b + 1]`` of ``(total_k, H, D)`` keys, at most ``s_max`` / ``t_max``
+    long (the grid's extent)."""
+
+    count: int
+    heads: int
+    s_max: int
+    t_max: int
+    cu_q: torch.Tensor | None = None
+    cu_k: torch.Tensor | None = None
+
+    @property
+    def varlen(self) -> bool:
+        return self.cu_q is not None
+
+    def strides(self, t: torch.Tensor) -> tuple[int, ...]:
+        """``t``'s strides in the kernels' (batch, head, sequence[, dim]) order. Packed tensors have no
+        batch axis: its stride is 0 and the kernels add each sequence's start row instead."""
+        if not self.varlen:
+            return tuple(t.stride())
+        if t.dim() == 3:  # (total, H, D)
+            return (0, t.stride(1), t.stride(0), t.stride(2))
+        return (0, *t.stride())  # LSE / delta (H, total)
+
+
+def _meta(dtype: torch.dtype, D: int, causal: bool, varlen: bool, blocks: tuple[int, int] | None) -> dict[str, Any]:
+    """The kernels' compile-time arguments; ``blocks`` (``BLOCK_M``, ``BLOCK_N``) overrides the tiles (tests)."""
+    block_m, block_n, warps, stages = _blocks(D, dtype)
+    if blocks is not None:
+        block_m, block_n = blocks
+    return dict(
+        CAUSAL=causal,
+        VARLEN=varlen,
+        HEAD_D=D,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        ACC=_tl_acc(dtype),
+        UPCAST=_upcast(dtype),
+        PREC=_precision(dtype),
+        num_warps=warps,
+        num_stages=stages,
+    )
+
+
+def _launch_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    layout: _Layout,
+    causal: bool,
+    scale: float,
+    blocks: tuple[int, int] | None,
+) -> None:
+    """Run the forward kernel into ``out`` and ``lse`` (either layout)."""
+    meta = _meta(q.dtype, q.shape[-1], causal, layout.varlen, blocks)
+    grid = (triton.cdiv(layout.s_max, meta["BLOCK_M"]), layout.count * layout.heads)
+    _fwd_kernel[grid](
+        q,
+        k,
+        v,
+        out,
+        lse,
+        layout.cu_q,
+        layout.cu_k,
+        *layout.strides(q),
+        *layout.strides(k),
+        *layout.strides(v),
+        *layout.strides(out),
+        *layout.strides(lse),
+        layout.heads,
+        layout.s_max,
+        layout.t_max,
+        *_split_scale(scale),
+        **meta,
+    )
+
+
+def _launch_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    layout: _Layout,
+    causal: bool,
+    scale: float,
+    blocks: tuple[int, int] | None,
+) -> None:
+    """Run the three backward kernels into ``grads = (dq, dk, dv)`` (either layout; at least one query)."""
+    dq, dk, dv = grads
+    meta = _meta(q.dtype, q.shape[-1], causal, layout.varlen, blocks)
+    rows = layout.count * layout.heads
+    delta = _poisoned(lse.shape, _acc_dtype(q.dtype), q.device)  # laid out like the LSE, contiguous
+    _bwd_preprocess_kernel[(triton.cdiv(layout.s_max, meta["BLOCK_M"]), rows)](
+        out,
+        dout,
+        delta,
+        layout.cu_q,
+        *layout.strides(out),
+        *layout.strides(dout),
+        *layout.strides(delta),
+        layout.heads,
+        layout.s_max,
+        VARLEN=layout.varlen,
+        HEAD_D=q.shape[-1],
+        BLOCK_M=meta["BLOCK_M"],
+        ACC=meta["ACC"],
+        num_warps=meta["num_warps"],
+    )
+    common = (
+        layout.cu_q,
+        layout.cu_k,
+        *layout.strides(q),
+        *layout.strides(k),
+        *layout.strides(v),
+        *layout.strides(dout),
+        *layout.strides(lse),
+        *layout.strides(delta),
+    )
+    sizes = (layout.heads, layout.s_max, layout.t_max, *_split_scale(scale))
+    if layout.t_max > 0:
+        _bwd_dkdv_kernel[(triton.cdiv(layout.t_max, meta["BLOCK_N"]), rows)](
+            q, k, v, dout, lse, delta, dk, dv, *common, *layout.strides(dk), *layout.strides(dv), *sizes, **meta
+        )
+    _bwd_dq_kernel[(triton.cdiv(layout.s_max, meta["BLOCK_M"]), rows)](
+        q, k, v, dout, lse, delta, dq, *common, *layout.strides(dq), *sizes, **meta
+    )
 
 
 def _forward(
@@ -566,48 +827,16 @@ def _forward(
     scale: float,
     blocks: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the forward kernel; ``blocks`` (``BLOCK_M``, ``BLOCK_N``) overrides the tile sizes (tests)."""
+    """``(out_BHSD, lse_BHS)`` by the forward kernel; ``blocks`` (``BLOCK_M``, ``BLOCK_N``) overrides the
+    tile sizes (tests)."""
     _check_inputs(q_BHSD, k_BHTD, v_BHTD)
     _check_runnable(q_BHSD, k_BHTD, v_BHTD)
-    B, H, S, D = q_BHSD.shape
-    T = k_BHTD.shape[2]
-    acc = _acc_dtype(q_BHSD.dtype)
-    # NaN-poisoned: an element the kernel fails to write shows up.
-    out_BHSD = torch.full((B, H, S, D), float("nan"), dtype=q_BHSD.dtype, device=q_BHSD.device)
-    lse_BHS = torch.full((B, H, S), float("nan"), dtype=acc, device=q_BHSD.device)
-    if B * H * S == 0:
-        return out_BHSD, lse_BHS
-    block_m, block_n, warps, stages = _blocks(D, q_BHSD.dtype)
-    if blocks is not None:
-        block_m, block_n = blocks
-    hi, lo = _split_scale(scale)
-    grid = (triton.cdiv(S, block_m), B * H)
-    _fwd_kernel[grid](
-        q_BHSD,
-        k_BHTD,
-        v_BHTD,
-        out_BHSD,
-        lse_BHS,
-        *_strides(q_BHSD),
-        *_strides(k_BHTD),
-        *_strides(v_BHTD),
-        *_strides(out_BHSD),
-        *_strides(lse_BHS),
-        H,
-        S,
-        T,
-        hi,
-        lo,
-        CAUSAL=causal,
-        HEAD_D=D,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        ACC=_tl_acc(q_BHSD.dtype),
-        UPCAST=_upcast(q_BHSD.dtype),
-        PREC=_precision(q_BHSD.dtype),
-        num_warps=warps,
-        num_stages=stages,
-    )
+    B, H, S, _ = q_BHSD.shape
+    out_BHSD = _poisoned(q_BHSD.shape, q_BHSD.dtype, q_BHSD.device)
+    lse_BHS = _poisoned((B, H, S), _acc_dtype(q_BHSD.dtype), q_BHSD.device)
+    if B * H * S > 0:
+        layout = _Layout(B, H, S, k_BHTD.shape[2])
+        _launch_forward(q_BHSD, k_BHTD, v_BHTD, out_BHSD, lse_BHS, layout, causal, scale, blocks)
     return out_BHSD, lse_BHS
 
 
@@ -622,7 +851,8 @@ def _backward(
     scale: float,
     blocks: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the three backward kernels; ``blocks`` (``BLOCK_M``, ``BLOCK_N``) overrides the tile sizes."""
+    """``(dq, dk, dv)`` by the three backward kernels; ``blocks`` (``BLOCK_M``, ``BLOCK_N``) overrides the
+    tile sizes."""
     _check_inputs(q_BHSD, k_BHTD, v_BHTD)
     if dout_BHSD.shape != q_BHSD.shape or out_BHSD.shape != q_BHSD.shape or lse_BHS.shape != q_BHSD.shape[:3]:
         raise ValueError(
@@ -632,93 +862,98 @@ def _backward(
         )
     _check_runnable(dout_BHSD, q_BHSD, k_BHTD, v_BHTD, out_BHSD, lse_BHS)
     dout_BHSD = dout_BHSD.to(q_BHSD.dtype)  # the matmul operands share one dtype
-    B, H, S, D = q_BHSD.shape
-    T = k_BHTD.shape[2]
-    acc = _acc_dtype(q_BHSD.dtype)
-    dev = q_BHSD.device
-    dq_BHSD = torch.full(q_BHSD.shape, float("nan"), dtype=q_BHSD.dtype, device=dev)
-    dk_BHTD = torch.full(k_BHTD.shape, float("nan"), dtype=k_BHTD.dtype, device=dev)
-    dv_BHTD = torch.full(v_BHTD.shape, float("nan"), dtype=v_BHTD.dtype, device=dev)
+    B, H, S, _ = q_BHSD.shape
+    grads = _poisoned_like(q_BHSD), _poisoned_like(k_BHTD), _poisoned_like(v_BHTD)
+    dq_BHSD, dk_BHTD, dv_BHTD = grads
     if B * H == 0:
         return dq_BHSD, dk_BHTD, dv_BHTD
     if S == 0:  # no query: no gradient reaches the keys
         return dq_BHSD, dk_BHTD.zero_(), dv_BHTD.zero_()
-    block_m, block_n, warps, stages = _blocks(D, q_BHSD.dtype)
-    if blocks is not None:
-        block_m, block_n = blocks
-    hi, lo = _split_scale(scale)
-    acc_tl = _tl_acc(q_BHSD.dtype)
-
-    delta_BHS = torch.full((B, H, S), float("nan"), dtype=acc, device=dev)
-    _bwd_preprocess_kernel[(triton.cdiv(S, block_m), B * H)](
-        out_BHSD,
-        dout_BHSD,
-        delta_BHS,
-        *_strides(out_BHSD),
-        *_strides(dout_BHSD),
-        H,
-        S,
-        HEAD_D=D,
-        BLOCK_M=block_m,
-        ACC=acc_tl,
-        num_warps=warps,
-    )
-    common = (
-        *_strides(q_BHSD),
-        *_strides(k_BHTD),
-        *_strides(v_BHTD),
-        *_strides(dout_BHSD),
-        *_strides(lse_BHS),
-    )
-    meta: dict[str, Any] = dict(
-        CAUSAL=causal,
-        HEAD_D=D,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        ACC=acc_tl,
-        UPCAST=_upcast(q_BHSD.dtype),
-        PREC=_precision(q_BHSD.dtype),
-        num_warps=warps,
-        num_stages=stages,
-    )
-    if T > 0:
-        _bwd_dkdv_kernel[(triton.cdiv(T, block_n), B * H)](
-            q_BHSD,
-            k_BHTD,
-            v_BHTD,
-            dout_BHSD,
-            lse_BHS,
-            delta_BHS,
-            dk_BHTD,
-            dv_BHTD,
-            *common,
-            *_strides(dk_BHTD),
-            *_strides(dv_BHTD),
-            H,
-            S,
-            T,
-            hi,
-            lo,
-            **meta,
-        )
-    _bwd_dq_kernel[(triton.cdiv(S, block_m), B * H)](
-        q_BHSD,
-        k_BHTD,
-        v_BHTD,
-        dout_BHSD,
-        lse_BHS,
-        delta_BHS,
-        dq_BHSD,
-        *common,
-        *_strides(dq_BHSD),
-        H,
-        S,
-        T,
-        hi,
-        lo,
-        **meta,
-    )
+    layout = _Layout(B, H, S, k_BHTD.shape[2])
+    _launch_backward(dout_BHSD, q_BHSD, k_BHTD, v_BHTD, out_BHSD, lse_BHS, grads, layout, causal, scale, blocks)
     return dq_BHSD, dk_BHTD, dv_BHTD
+
+
+def _varlen_layout(
+    q_PHD: torch.Tensor,
+    k_RHD: torch.Tensor,
+    v_RHD: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+) -> _Layout:
+    """The checked packed layout (shapes, dtypes, devices and the offsets' values)."""
+    _check_varlen_inputs(q_PHD, k_RHD, v_RHD, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    _check_cu_seqlens(cu_seqlens_q, q_PHD.shape[0], max_seqlen_q, "cu_seqlens_q")
+    _check_cu_seqlens(cu_seqlens_k, k_RHD.shape[0], max_seqlen_k, "cu_seqlens_k")
+    _check_runnable(q_PHD, k_RHD, v_RHD, cu_seqlens_q, cu_seqlens_k)
+    count = cu_seqlens_q.numel() - 1
+    return _Layout(count, q_PHD.shape[1], max_seqlen_q, max_seqlen_k, cu_seqlens_q, cu_seqlens_k)
+
+
+def _varlen_forward(
+    q_PHD: torch.Tensor,
+    k_RHD: torch.Tensor,
+    v_RHD: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool,
+    scale: float,
+    blocks: tuple[int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out_PHD, lse_HP)`` of packed sequences by the forward kernel."""
+    layout = _varlen_layout(q_PHD, k_RHD, v_RHD, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    P, H, _ = q_PHD.shape
+    out_PHD = _poisoned(q_PHD.shape, q_PHD.dtype, q_PHD.device)
+    lse_HP = _poisoned((H, P), _acc_dtype(q_PHD.dtype), q_PHD.device)
+    if P * H > 0:
+        _launch_forward(q_PHD, k_RHD, v_RHD, out_PHD, lse_HP, layout, causal, scale, blocks)
+    return out_PHD, lse_HP
+
+
+def _varlen_backward(
+    dout_PHD: torch.Tensor,
+    q_PHD: torch.Tensor,
+    k_RHD: torch.Tensor,
+    v_RHD: torch.Tensor,
+    out_PHD: torch.Tensor,
+    lse_HP: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool,
+    scale: float,
+    blocks: tuple[int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq_PHD, dk_RHD, dv_RHD)`` of packed sequences by the three backward kernels."""
+    layout = _varlen_layout(q_PHD, k_RHD, v_RHD, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    _check_varlen_grad_inputs(dout_PHD, q_PHD, out_PHD, lse_HP)
+    _check_runnable(dout_PHD, q_PHD, out_PHD, lse_HP)
+    dout_PHD = dout_PHD.to(q_PHD.dtype)  # the matmul operands share one dtype
+    grads = _poisoned_like(q_PHD), _poisoned_like(k_RHD), _poisoned_like(v_RHD)
+    dq_PHD, dk_RHD, dv_RHD = grads
+    P, H, _ = q_PHD.shape
+    if H == 0:
+        return dq_PHD, dk_RHD, dv_RHD
+    if P == 0:  # no query: no gradient reaches the keys
+        return dq_PHD, dk_RHD.zero_(), dv_RHD.zero_()
+    _launch_backward(dout_PHD, q_PHD, k_RHD, v_RHD, out_PHD, lse_HP, grads, layout, causal, scale, blocks)
+    return dq_PHD, dk_RHD, dv_RHD
+
+
+def _check_varlen_grad_inputs(
+    dout_PHD: torch.Tensor, q_PHD: torch.Tensor, out_PHD: torch.Tensor, lse_HP: torch.Tensor
+) -> None:
+    P, H, _ = q_PHD.shape
+    if dout_PHD.shape != q_PHD.shape or out_PHD.shape != q_PHD.shape or lse_HP.shape != (H, P):
+        raise ValueError(
+            f"flash_attn_varlen backward needs dout and out shaped like q {tuple(q_PHD.shape)} and lse like "
+            f"{(H, P)}, got dout {tuple(dout_PHD.shape)}, out {tuple(out_PHD.shape)}, lse {tuple(lse_HP.shape)}"
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------------
