@@ -8,6 +8,13 @@
   ``dq`` (looping over key blocks), so no atomics.
 - :func:`flash_attention`: the differentiable forward (``register_autograd``), torch.compile-able.
 - :func:`attention_reference` and :func:`attention_reference_backward`: the same in plain PyTorch.
+- Variable sequence lengths (``flash_attn_varlen_func``'s packed layout): ``mmpipe::flash_attn_varlen_fwd(q,
+  k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale) -> (out, lse)`` and
+  ``mmpipe::flash_attn_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+  max_seqlen_k, causal, scale) -> (dq, dk, dv)``, :func:`flash_attn_varlen` (differentiable) and
+  :func:`attention_varlen_reference` / :func:`attention_varlen_reference_backward` (a loop over sequences).
+  The same kernels run both layouts (a ``VARLEN`` compile-time switch: each program reads its sequence's
+  rows from the cumulative lengths instead of a batch stride).
 
 Semantics (those of ``mmpipe.parallel.attention`` and ATen's flash kernels): layout ``BHSD`` for queries,
 ``BHTD`` for keys and values (``T`` may differ from ``S``); causal masking is top-left aligned (query
@@ -19,13 +26,19 @@ float64 for float64 inputs; float32 matmuls are IEEE (no TF32).
 Head dims: powers of two from 16 to 128. Without CUDA the kernels run in Triton's interpreter
 (:mod:`mmpipe.kernels._triton`), for tests on tiny shapes.
 
-Legend: B batch, H heads, S query length, T key length, D head dim.
+Packed layout: queries ``(total_q, H, D)``, keys and values ``(total_k, H, D)``, sequence ``b`` at rows
+``cu_seqlens[b]:cu_seqlens[b + 1]`` (int32, ``(batch + 1,)``); the LSE is ``(H, total_q)`` (the uniform
+op's ``(B, H, S)`` with the batch folded into the sequence axis, as ``flash_attn_varlen_func`` returns it).
+Masking and causal alignment (top-left) are per sequence, exactly as the uniform op on each sequence.
+
+Legend: B batch, H heads, S query length, T key length, D head dim; packed: P total queries (``total_q``),
+R total keys (``total_k``).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple, overload
 
 import torch
 
@@ -38,9 +51,14 @@ if AVAILABLE:
 __all__ = [
     "attention_reference",
     "attention_reference_backward",
+    "attention_varlen_reference",
+    "attention_varlen_reference_backward",
     "flash_attention",
     "flash_attn_bwd",
     "flash_attn_fwd",
+    "flash_attn_varlen",
+    "flash_attn_varlen_bwd",
+    "flash_attn_varlen_fwd",
 ]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -94,6 +112,66 @@ def attention_reference_backward(
         scale,
     )
     return dq.to(q_BHSD.dtype), dk.to(k_BHTD.dtype), dv.to(v_BHTD.dtype)
+
+
+def _spans(cu_seqlens: torch.Tensor) -> list[slice]:
+    offsets = cu_seqlens.tolist()
+    return [slice(a, b) for a, b in zip(offsets, offsets[1:], strict=False)]
+
+
+def _as_1HSD(x_SHD: torch.Tensor) -> torch.Tensor:
+    return x_SHD.transpose(0, 1).unsqueeze(0)
+
+
+def attention_varlen_reference(
+    q_PHD: torch.Tensor,
+    k_RHD: torch.Tensor,
+    v_RHD: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out_PHD, lse_HP)`` of packed sequences: :func:`attention_reference` on each sequence in turn."""
+    outs, lses = [], []
+    for rows_q, rows_k in zip(_spans(cu_seqlens_q), _spans(cu_seqlens_k), strict=True):
+        out_1HSD, lse_1HS = attention_reference(
+            _as_1HSD(q_PHD[rows_q]), _as_1HSD(k_RHD[rows_k]), _as_1HSD(v_RHD[rows_k]), causal, scale
+        )
+        outs.append(out_1HSD[0].transpose(0, 1))
+        lses.append(lse_1HS[0])
+    return torch.cat(outs, 0), torch.cat(lses, 1)
+
+
+def attention_varlen_reference_backward(
+    dout_PHD: torch.Tensor,
+    q_PHD: torch.Tensor,
+    k_RHD: torch.Tensor,
+    v_RHD: torch.Tensor,
+    out_PHD: torch.Tensor,
+    lse_HP: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq_PHD, dk_RHD, dv_RHD)`` of packed sequences: :func:`attention_reference_backward` on each."""
+    dqs, dks, dvs = [], [], []
+    for rows_q, rows_k in zip(_spans(cu_seqlens_q), _spans(cu_seqlens_k), strict=True):
+        dq, dk, dv = attention_reference_backward(
+            _as_1HSD(dout_PHD[rows_q]),
+            _as_1HSD(q_PHD[rows_q]),
+            _as_1HSD(k_RHD[rows_k]),
+            _as_1HSD(v_RHD[rows_k]),
+            _as_1HSD(out_PHD[rows_q]),
+            lse_HP[:, rows_q].unsqueeze(0),
+            causal,
+            scale,
+        )
+        dqs.append(dq[0].transpose(0, 1))
+        dks.append(dk[0].transpose(0, 1))
+        dvs.append(dv[0].transpose(0, 1))
+    return torch.cat(dqs, 0), torch.cat(dks, 0), torch.cat(dvs, 0)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1038,3 +1116,160 @@ def flash_attention(
     scale = 1.0 / math.sqrt(q_BHSD.shape[-1]) if scale is None else scale
     out_BHSD, _ = flash_attn_fwd(q_BHSD, k_BHTD, v_BHTD, causal, scale)
     return out_BHSD
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Custom ops: packed sequences of different lengths (varlen)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("mmpipe::flash_attn_varlen_fwd", mutates_args=())
+def flash_attn_varlen_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out_PHD, lse_HP)`` of each packed sequence of ``q_PHD`` over its own keys in ``k_RHD, v_RHD``."""
+    return _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale)
+
+
+@flash_attn_varlen_fwd.register_fake
+def _flash_attn_varlen_fwd_fake(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=_acc_dtype(q.dtype))
+
+
+@torch.library.custom_op("mmpipe::flash_attn_varlen_bwd", mutates_args=())
+def flash_attn_varlen_bwd(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq_PHD, dk_RHD, dv_RHD)`` given the (possibly merged, external) ``out_PHD`` and ``lse_HP``."""
+    return _varlen_backward(
+        dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale
+    )
+
+
+@flash_attn_varlen_bwd.register_fake
+def _flash_attn_varlen_bwd_fake(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    _check_varlen_grad_inputs(dout, q, out, lse)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _varlen_setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
+    q, k, v, cu_q, cu_k, max_q, max_k, causal, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+    ctx.max_q, ctx.max_k, ctx.causal, ctx.scale = max_q, max_k, causal, scale
+    ctx.mark_non_differentiable(lse)  # as for the uniform op: for merges, no gradient through it
+
+
+def _varlen_backward_autograd(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None) -> tuple[Any, ...]:
+    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+    dq, dk, dv = flash_attn_varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, ctx.max_q, ctx.max_k, ctx.causal, ctx.scale)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+flash_attn_varlen_fwd.register_autograd(_varlen_backward_autograd, setup_context=_varlen_setup_context)
+
+
+@overload
+def flash_attn_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    causal: bool = ...,
+    softmax_scale: float | None = ...,
+    return_lse: Literal[False] = ...,
+) -> torch.Tensor: ...
+
+
+@overload
+def flash_attn_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    causal: bool = ...,
+    softmax_scale: float | None = ...,
+    return_lse: Literal[True],
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def flash_attn_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Differentiable attention of packed sequences of different lengths (``flash_attn_varlen_func``'s layout).
+
+    Sequence ``b`` is rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` of ``q`` (``(total_q, H, D)``) and attends
+    to rows ``cu_seqlens_k[b]:cu_seqlens_k[b + 1]`` of ``k, v`` (``(total_k, H, D)``) only; the offsets are
+    int32 ``(batch + 1,)``, starting at 0, and ``max_seqlen_*`` bound the lengths. Causal
+    masking is top-left aligned per sequence (as :func:`flash_attention`; ``flash_attn`` >= 2.1 aligns
+    bottom-right when a sequence has more keys than queries). ``softmax_scale`` defaults to ``1 / sqrt(D)``.
+    Returns ``out_PHD``, with ``return_lse`` also ``lse_HP`` (``(H, total_q)``, float32, float64 for float64
+    inputs; not differentiable). Zero-length sequences are allowed; a query without keys gets a zero output
+    and an LSE of ``-inf``. The offsets are checked on the host (one device sync per call)."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
+    out_PHD, lse_HP = flash_attn_varlen_fwd(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale
+    )
+    return (out_PHD, lse_HP) if return_lse else out_PHD
