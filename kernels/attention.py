@@ -761,14 +761,14 @@ def _poisoned_like(t: torch.Tensor) -> torch.Tensor:
 
 
 class _Layout(NamedTuple):
-    """Where the kernels find ``count`` sequences of ``heads`` heads.
+    """Where the kernels find ``n_seqs`` sequences of ``heads`` heads.
 
     Uniform (``cu_q`` is None): BHSD tensors, every sequence ``s_max`` queries and ``t_max`` keys long.
     Packed: sequence ``b`` is rows ``cu_q[b]:cu_q[b + 1]`` of ``(total_q, H, D)`` queries (LSE
     ``(H, total_q)``) and ``cu_k[b]:cu_k[b + 1]`` of ``(total_k, H, D)`` keys, at most ``s_max`` / ``t_max``
     long (the grid's extent)."""
 
-    count: int
+    n_seqs: int
     heads: int
     s_max: int
     t_max: int
@@ -821,7 +821,7 @@ def _launch_forward(
 ) -> None:
     """Run the forward kernel into ``out`` and ``lse`` (either layout)."""
     meta = _meta(q.dtype, q.shape[-1], causal, layout.varlen, blocks)
-    grid = (triton.cdiv(layout.s_max, meta["BLOCK_M"]), layout.count * layout.heads)
+    grid = (triton.cdiv(layout.s_max, meta["BLOCK_M"]), layout.n_seqs * layout.heads)
     _fwd_kernel[grid](
         q,
         k,
@@ -859,7 +859,7 @@ def _launch_backward(
     """Run the three backward kernels into ``grads = (dq, dk, dv)`` (either layout; at least one query)."""
     dq, dk, dv = grads
     meta = _meta(q.dtype, q.shape[-1], causal, layout.varlen, blocks)
-    rows = layout.count * layout.heads
+    rows = layout.n_seqs * layout.heads
     delta = _poisoned(lse.shape, _acc_dtype(q.dtype), q.device)  # laid out like the LSE, contiguous
     _bwd_preprocess_kernel[(triton.cdiv(layout.s_max, meta["BLOCK_M"]), rows)](
         out,
@@ -966,8 +966,8 @@ def _varlen_layout(
     _check_cu_seqlens(cu_seqlens_q, q_PHD.shape[0], max_seqlen_q, "cu_seqlens_q")
     _check_cu_seqlens(cu_seqlens_k, k_RHD.shape[0], max_seqlen_k, "cu_seqlens_k")
     _check_runnable(q_PHD, k_RHD, v_RHD, cu_seqlens_q, cu_seqlens_k)
-    count = cu_seqlens_q.numel() - 1
-    return _Layout(count, q_PHD.shape[1], max_seqlen_q, max_seqlen_k, cu_seqlens_q, cu_seqlens_k)
+    n_seqs = cu_seqlens_q.numel() - 1
+    return _Layout(n_seqs, q_PHD.shape[1], max_seqlen_q, max_seqlen_k, cu_seqlens_q, cu_seqlens_k)
 
 
 def _varlen_forward(
