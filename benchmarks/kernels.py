@@ -2,12 +2,14 @@
 
     python benchmarks/kernels.py            # DiT-realistic shapes on a GPU; tiny interpreted shapes on CPU
 
-Per kernel and shape: ours (Triton, forward + backward) against PyTorch eager (norm + modulate,
-rotary) or SDPA (attention: the flash backend on CUDA) and xformers where installed, with achieved
-TFLOP/s (attention) or GB/s (elementwise kernels) next to this device's measured ceilings (a large
-matmul, a large copy). On a GPU the times are ``triton.testing.do_bench`` medians. Without one the
-kernels run in Triton's CPU interpreter at tiny shapes: those rows check that the script and the
-kernels run end to end (``"interpreted": true``); their times say nothing about the kernels.
+Per kernel and shape: ours (Triton, forward + backward) against PyTorch eager (norm + modulate, rotary)
+or SDPA (attention: the flash backend on CUDA) and xformers where installed; packed sequences of
+different lengths (``attention_varlen``, one call) against SDPA and eager PyTorch on each sequence
+separately. With achieved TFLOP/s (attention) or GB/s (elementwise kernels) next to this device's
+measured ceilings (a large matmul, a large copy). On a GPU the times are ``triton.testing.do_bench``
+medians. Without one the kernels run in Triton's CPU interpreter at tiny shapes: those rows check that
+the script and the kernels run end to end (``"interpreted": true``); their times say nothing about the
+kernels.
 
 The last output line is one JSON object ``{"device", "interpreted", "ceilings", "results": [...]}``,
 each result with ``kernel``, ``shape``, ``ours_ms``, ``baseline``, ``baseline_ms``, ``speedup``.
@@ -15,6 +17,7 @@ each result with ``kernel``, ``shape``, ``ours_ms``, ``baseline``, ``baseline_ms
 
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
 import time
@@ -116,6 +119,16 @@ def rope_rows(device: torch.device, dtype: torch.dtype) -> list[dict[str, Any]]:
     return out
 
 
+def sdpa(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """SDPA, its flash backend on CUDA."""
+    if CUDA:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(a, b, c)
+    return F.scaled_dot_product_attention(a, b, c)
+
+
 def attention_rows(device: torch.device, dtype: torch.dtype) -> list[dict[str, Any]]:
     try:
         from mmpipe.kernels.attention import flash_attention
@@ -128,15 +141,6 @@ def attention_rows(device: torch.device, dtype: torch.dtype) -> list[dict[str, A
         ours = bench(fwd_bwd(lambda a, b, c: flash_attention(a, b, c), q, k, v))
         flops = 4 * s * s * h * d * 3.5  # forward (2 matmuls) + backward (5 matmuls), 2 FLOPs each
         shape = f"S{s} H{h} D{d}"
-
-        def sdpa(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-            if CUDA:
-                from torch.nn.attention import SDPBackend, sdpa_kernel
-
-                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                    return F.scaled_dot_product_attention(a, b, c)
-            return F.scaled_dot_product_attention(a, b, c)
-
         base = bench(fwd_bwd(sdpa, q, k, v))
         out.append(row("attention", shape, ours, "sdpa flash" if CUDA else "sdpa", base, tflops=flops / ours / 1e9))
         try:
@@ -153,6 +157,43 @@ def attention_rows(device: torch.device, dtype: torch.dtype) -> list[dict[str, A
     return out
 
 
+def varlen_attention_rows(device: torch.device, dtype: torch.dtype) -> list[dict[str, Any]]:
+    """Packed sequences of different lengths (one ``flash_attn_varlen`` call) against SDPA and eager
+    PyTorch run on each sequence separately, forward + backward, non-causal."""
+    try:
+        import mmpipe.kernels.attention  # noqa: F401
+    except ImportError:
+        return []
+    cases = [([8192, 4096, 2048, 1024, 512, 256, 77], 24, 128), ([8192] * 2 + [4096] * 4, 40, 128)]
+    return [
+        r for lens, h, d in (cases if CUDA else [([5, 37, 16], 2, 64)]) for r in varlen_rows(lens, h, d, device, dtype)
+    ]
+
+
+def varlen_rows(lens: list[int], h: int, d: int, device: torch.device, dtype: torch.dtype) -> list[dict[str, Any]]:
+    from mmpipe.kernels.attention import attention_varlen_reference, flash_attn_varlen
+
+    cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=device)
+    spans = [slice(a, b) for a, b in itertools.pairwise(cu.tolist())]
+    q, k, v = (torch.randn(sum(lens), h, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    mx = max(lens)
+
+    def per_sequence(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        bhsd = [(t[r].transpose(0, 1)[None] for t in (a, b, c)) for r in spans]
+        return torch.cat([sdpa(*x)[0].transpose(0, 1) for x in bhsd])
+
+    ours = bench(fwd_bwd(lambda a, b, c: flash_attn_varlen(a, b, c, cu, cu, mx, mx), q, k, v))
+    base = bench(fwd_bwd(per_sequence, q, k, v))
+    eager = bench(fwd_bwd(lambda a, b, c: attention_varlen_reference(a, b, c, cu, cu, False, d**-0.5)[0], q, k, v))
+    tflops = sum(4 * s * s * h * d * 3.5 for s in lens) / ours / 1e9  # as attention_rows, per sequence
+    shape = f"{len(lens)} seqs total {sum(lens)} max {mx} H{h} D{d}"
+    sdpa_name = "sdpa flash per sequence" if CUDA else "sdpa per sequence"
+    return [
+        row("attention_varlen", shape, ours, sdpa_name, base, tflops=tflops),
+        row("attention_varlen", shape, ours, "torch eager per sequence", eager, tflops=tflops),
+    ]
+
+
 def main() -> None:
     if not _triton.AVAILABLE or not (CUDA or _triton.INTERPRETED):
         raise SystemExit(
@@ -162,9 +203,10 @@ def main() -> None:
     dtype = torch.bfloat16 if CUDA else torch.float32
     name = torch.cuda.get_device_name() if CUDA else "cpu (Triton interpreter, tiny shapes: times are not kernel speed)"
     results = norm_rows(device, dtype) + rope_rows(device, dtype) + attention_rows(device, dtype)
+    results += varlen_attention_rows(device, dtype)
     for r in results:
         print(
-            f"{r['kernel']:>14} {r['shape']:>22}  ours {r['ours_ms']:9.3f} ms  {r['baseline']} {r['baseline_ms']:9.3f} ms  x{r['speedup']:.2f}"
+            f"{r['kernel']:>16} {r['shape']:>36}  ours {r['ours_ms']:9.3f} ms  {r['baseline']} {r['baseline_ms']:9.3f} ms  x{r['speedup']:.2f}"
         )
     print(json.dumps({"device": name, "interpreted": not CUDA, "ceilings": ceilings(device), "results": results}))
 
