@@ -135,7 +135,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command == "report":  # paths, not a Hydra config
         return _run_report(overrides)
     if command not in COMMANDS:
-        print(f"mmpipe: unknown command {command!r}; commands: {sorted([*COMMANDS, 'report'])}\n\n{USAGE}", file=sys.stderr)
+        print(
+            f"mmpipe: unknown command {command!r}; commands: {sorted([*COMMANDS, 'report'])}\n\n{USAGE}",
+            file=sys.stderr,
+        )
         return 2
     show = "--cfg" in overrides
     if "--json" in overrides:

@@ -360,7 +360,12 @@ def _worker_main(
     outbox: Any,
 ) -> None:
     """Entry point of one group's process."""
+    import signal
+
     import mmpipe  # noqa: F401  (sets TRITON_INTERPRET before diffusers imports triton)
+
+    # A terminal's Ctrl-C reaches the whole process group: the front end drains, then sends "stop".
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     logging.basicConfig(level=logging.INFO, format=f"[serve group {group}] %(asctime)s %(levelname)s %(message)s")
     torch.set_num_threads(init["threads"])
