@@ -283,7 +283,7 @@ class Engine:
             elif kind == "edge":
                 self.metrics.edge_bytes(*msg[1:])
             elif kind == "fatal":
-                self._fail_all(f"serving group {msg[1]} failed: {msg[2]}")
+                self._fail_all(self._cause(msg[1], msg[2]))
             else:
                 tracked = self._by_number.get(msg[1])
                 if tracked is None or tracked.job.status.done:
@@ -297,6 +297,17 @@ class Engine:
                     self._finish(tracked, JobStatus.COMPLETED, frames=msg[2])
                 elif kind == "failed":
                     self._finish(tracked, JobStatus.FAILED, error=msg[2])
+
+    def _cause(self, group: int, message: str) -> str:
+        """What to report for a group's fatal error: a peer that died makes the survivors' transport
+        fail too, so the dead group (if one dies within a second) is the cause, not the reporter."""
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            dead = [g for g, p in enumerate(self._procs) if g != group and not p.is_alive()]
+            if dead:
+                return f"serving group {dead[0]} died (exit code {self._procs[dead[0]].exitcode})"
+            time.sleep(0.05)
+        return f"serving group {group} failed: {message}"
 
     def _fail_all(self, message: str) -> None:
         logger.error(message)
