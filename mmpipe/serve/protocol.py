@@ -12,7 +12,6 @@ import enum
 import threading
 import time
 import uuid
-from typing import Any
 
 import numpy as np
 
@@ -45,10 +44,6 @@ class GenerationRequest:
     guidance: float = 3.0
     seed: int = 0
     timeout_s: float | None = None  # None: the engine's serve.timeout_s
-
-    def shape_key(self) -> tuple[int, int, int]:
-        """Requests with equal keys can share a batch at any stage."""
-        return (self.height, self.width, self.frames)
 
 
 class QueueFull(RuntimeError):
@@ -88,17 +83,3 @@ class Job:
         self.completed_at = time.time()
         self._done.set()
         return True
-
-    def summary(self) -> dict[str, Any]:
-        """Plain fields (for logs and the HTTP layer)."""
-        r = self.request
-        return {
-            "id": self.id,
-            "status": self.status.value,
-            "progress": self.progress,
-            "created_at": int(self.created_at),
-            "completed_at": int(self.completed_at) if self.completed_at else None,
-            "error": self.error,
-            "size": f"{r.width}x{r.height}",
-            "frames": r.frames,
-        }
