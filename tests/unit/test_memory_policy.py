@@ -138,7 +138,7 @@ def test_bad_policies_are_clear_errors() -> None:
 
 
 _PEAK_SCRIPT = """
-import json, resource, sys, torch
+import json, sys, torch
 from diffusers import WanTransformer3DModel
 from mmpipe.memory.policy import BlockPolicy, FileTier, apply_block_policies
 from mmpipe.stages._source import ModuleSource
@@ -148,24 +148,36 @@ torch.set_num_threads(1)
 torch.manual_seed(0)
 module = WanTransformer3DModel(
     patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=16, in_channels=4, out_channels=4,
-    text_dim=16, freq_dim=32, ffn_dim=256, num_layers=4, cross_attn_norm=True,
+    text_dim=16, freq_dim=32, ffn_dim=256, num_layers=8, cross_attn_norm=True,
     qk_norm="rms_norm_across_heads", rope_max_seq_len=64,
 )
 stage = WanDiTFlowMatchingStage("dit", ModuleSource.from_module(module), shift=3.0)
 tier = FileTier(sys.argv[2])
 policy = BlockPolicy(sys.argv[1])
-apply_block_policies(list(module.blocks), [policy] * 4, tier=tier)
+apply_block_policies(list(module.blocks), [policy] * 8, tier=tier)
 gen = torch.Generator().manual_seed(1)
 inputs = {"latents": torch.randn(1, 4, 8, 64, 64, generator=gen), "context": torch.randn(1, 6, 16, generator=gen)}
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def status_bytes(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
+# ru_maxrss is inherited across fork and kept across execve, so a big parent (a long pytest run)
+# hides this process's peak. Reset the high-water mark instead (Linux >= 4.0: clear_refs 5).
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")
+before = status_bytes("VmRSS")
 stage.forward(module, inputs, seed=3)["loss"].backward()
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+peak = status_bytes("VmHWM")
 print(json.dumps({"before": before, "peak": peak, "offloaded": tier.stats.peak_out_bytes}))
 """
 
 
 def test_file_tier_lowers_peak_resident_memory_of_a_training_step(tmp_path: Path) -> None:
-    """Measured in fresh processes (peak RSS), keep-everything against offloading every block."""
+    """Measured in fresh processes (peak RSS since a reset of the high-water mark), keep-everything
+    against offloading every block."""
     import json
     import subprocess
     import sys
@@ -181,9 +193,11 @@ def test_file_tier_lowers_peak_resident_memory_of_a_training_step(tmp_path: Path
     assert keep["offloaded"] == 0 and off["offloaded"] > 50e6
     # The step raises the process's peak by its saved activations (keep) or by the backward's own
     # working set (offload: the blocks' tensors are on disk until their backward reads them back).
-    # Observed 322 MB vs 168 MB; 0.6 leaves room for allocator slack and fails if nothing moved out.
+    # Observed 665 MB vs 339 MB (8 blocks; the rest of offload's growth is the unwrapped embeddings,
+    # the head and one block's backward); 0.75 leaves room for allocator slack and fails if nothing
+    # moved out (the ratio is then about 1).
     grow_keep, grow_off = keep["peak"] - keep["before"], off["peak"] - off["before"]
-    assert grow_off < 0.6 * grow_keep, (grow_keep, grow_off)
+    assert grow_off < 0.75 * grow_keep, (grow_keep, grow_off)
 
 
 def test_a_tensor_saved_by_several_ops_is_offloaded_once() -> None:
