@@ -10,12 +10,18 @@ handle, whatever the order the backwards run in.
 
 Tiers:
 
-- :class:`FileTier`: a spill directory (for NVMe, and on CPU-only machines the tier that actually
-  lowers resident memory). A tensor is written as raw bytes to its own file and read back, then the
-  file is deleted.
+- :class:`FileTier`: a spill file (for NVMe, and on CPU-only machines the tier that actually
+  lowers resident memory). One file per tier, opened and unlinked at once (nothing is left behind,
+  even by a killed process); a tensor takes a region of it, and regions are reused by later tensors
+  of the same size (rewriting cached pages is about twice as fast as growing a file, and the
+  tensors of the next step or micro-batch have the same sizes). A background thread writes, so the
+  forward goes on while its saved tensors go out; the tensor stays referenced until its bytes are
+  written (at most ``max_pending_bytes`` of them: beyond that the forward waits), and a backward
+  that needs a tensor still waiting to be written takes it as it is.
 
-Counters (:class:`TierStats`) report the bytes offloaded, the bytes currently out and the time spent
-writing and reading, for the run's events.
+Counters (:class:`TierStats`) report the bytes offloaded, the bytes currently out and the seconds
+spent writing (the writer thread's), reading (the backward waits on them) and waiting for the writer
+(the forward), for the run's events.
 """
 
 from __future__ import annotations
@@ -23,11 +29,13 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
-import itertools
 import os
+import queue
 import tempfile
+import threading
 import time
 import weakref
+from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -56,84 +64,216 @@ BLOCK_LETTERS = {
 """One letter per policy, as plans spell per-block lists (``DeviceGroup.blocks``)."""
 
 
+def is_parameter(t: torch.Tensor) -> bool:
+    """A parameter or a view of one (``weight.t()``, which linear layers save): its memory is the
+    parameter's, so moving it out frees nothing (the cost model does not count it either)."""
+    return isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)
+
+
 @dataclasses.dataclass
 class TierStats:
-    """What a tier moved: bytes written out in all, bytes out now (and at most), seconds spent."""
+    """What a tier moved: bytes handed out in all, bytes out now (and at most), bytes given back to
+    the backward (read from the file, or taken before they were written), seconds spent writing (in
+    the background), reading, and the forward's waits on the writer."""
 
     offloaded_bytes: int = 0
     out_bytes: int = 0
     peak_out_bytes: int = 0
+    returned_bytes: int = 0
+    unwritten_bytes: int = 0  # of returned_bytes: taken before the writer wrote them
     write_s: float = 0.0
     read_s: float = 0.0
+    pack_wait_s: float = 0.0
+
+
+_ALIGN = 4096  # regions start on page boundaries
 
 
 class FileTier:
-    """Saved tensors as raw bytes in files under ``directory`` (a fresh temporary one by default)."""
+    """Saved tensors as raw bytes in one spill file under ``directory`` (a fresh temporary one by
+    default), written by a background thread (see the module docstring)."""
 
-    def __init__(self, directory: str | Path | None = None) -> None:
+    def __init__(self, directory: str | Path | None = None, *, max_pending_bytes: int = 256 << 20) -> None:
         self._own = directory is None
         self.directory = Path(tempfile.mkdtemp(prefix="mmpipe-spill-") if directory is None else directory)
         self.directory.mkdir(parents=True, exist_ok=True)
+        self.max_pending_bytes = max_pending_bytes
         self.stats = TierStats()
-        self._ids = itertools.count()
+        path = self.directory / f"{os.getpid()}-{id(self):x}.spill"
+        self._fd: int | None = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        path.unlink()  # the space goes with the descriptor, whatever happens to the process
+        self._lock = threading.Condition()
+        self._free: dict[int, list[int]] = defaultdict(list)  # region size -> free offsets
+        self._end = 0
+        self._pending = 0  # bytes handed to the writer and not written yet
+        self._queue: queue.SimpleQueue[_Spilled | None] = queue.SimpleQueue()
+        self._writer: threading.Thread | None = None
+        self._error: OSError | None = None  # the writer's, raised by the next pack or flush
 
+    # -- the forward's side --------------------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> _Spilled:
-        """Write ``t`` out; returns the handle :meth:`unpack` takes (its file goes with it)."""
+        """Hand ``t`` to the writer; returns the handle :meth:`unpack` takes (its region goes with it)."""
+        if self._fd is None:
+            raise RuntimeError("this FileTier is closed")
+        self._raise_write_error()
+        data = t.detach().contiguous().cpu()
+        nbytes = data.numel() * data.element_size()
         start = time.perf_counter()
-        path = self.directory / f"{os.getpid()}-{next(self._ids)}.bin"
-        t.detach().contiguous().cpu().view(torch.uint8).numpy().tofile(path)
-        nbytes = t.numel() * t.element_size()
-        self.stats.offloaded_bytes += nbytes
-        self.stats.out_bytes += nbytes
-        self.stats.peak_out_bytes = max(self.stats.peak_out_bytes, self.stats.out_bytes)
-        self.stats.write_s += time.perf_counter() - start
-        return _Spilled(self, path, t.shape, t.dtype, t.device, nbytes)
+        with self._lock:
+            while self._pending and self._pending + nbytes > self.max_pending_bytes:
+                self._lock.wait()
+            self._pending += nbytes
+            size = -(-max(nbytes, 1) // _ALIGN) * _ALIGN
+            free = self._free[size]
+            offset = free.pop() if free else self._grow(size)
+            self.stats.offloaded_bytes += nbytes
+            self.stats.out_bytes += nbytes
+            self.stats.peak_out_bytes = max(self.stats.peak_out_bytes, self.stats.out_bytes)
+            self.stats.pack_wait_s += time.perf_counter() - start
+        handle = _Spilled(self, offset, size, data, t.shape, t.dtype, t.device, nbytes)
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._write_loop, name="mmpipe-spill-writer", daemon=True)
+            self._writer.start()
+        self._queue.put(handle)
+        return handle
 
+    def _grow(self, size: int) -> int:
+        offset, self._end = self._end, self._end + size
+        return offset
+
+    # -- the backward's side -------------------------------------------------------------------------
     def unpack(self, handle: _Spilled) -> torch.Tensor:
-        """Read a packed tensor back (its file is deleted with the handle); a handle several saves
-        share is read once while the tensor read is alive."""
+        """The tensor back: the one still waiting to be written (its write is dropped), or read from
+        the file. A handle several saves share is read once while the tensor read is alive."""
         loaded = handle.loaded() if handle.loaded is not None else None
         if loaded is not None:
             return loaded
-        start = time.perf_counter()
-        raw = (
-            torch.from_file(str(handle.path), size=handle.nbytes, dtype=torch.uint8)
-            if handle.nbytes
-            else torch.empty(0, dtype=torch.uint8)
-        )
-        self.stats.read_s += time.perf_counter() - start
-        out = raw.view(handle.dtype).view(handle.shape).to(handle.device)
+        with self._lock:
+            data = handle.data
+            if data is not None and not handle.written:
+                handle.keep = True  # the writer skips it (or its bytes are not read back)
+            self.stats.returned_bytes += handle.nbytes
+            if data is not None:
+                self.stats.unwritten_bytes += handle.nbytes
+        if data is None:
+            if self._fd is None:
+                raise RuntimeError("this FileTier was closed before the backward read its tensors")
+            start = time.perf_counter()
+            raw = torch.empty(handle.nbytes, dtype=torch.uint8)
+            if handle.nbytes:
+                _read_exactly(self._fd, memoryview(raw.numpy()), handle.offset)
+            self.stats.read_s += time.perf_counter() - start
+            data = raw.view(handle.dtype).view(handle.shape)
+        out = data.to(handle.device)
         handle.loaded = weakref.ref(out)
         return out
 
+    # -- the writer ----------------------------------------------------------------------------------
+    def _write_loop(self) -> None:
+        while (handle := self._queue.get()) is not None:
+            with self._lock:
+                data, skip = handle.data, handle.keep
+            elapsed, failed = 0.0, False
+            if not skip and data is not None and handle.nbytes and self._fd is not None and self._error is None:
+                start = time.perf_counter()
+                try:
+                    _write_exactly(self._fd, memoryview(data.reshape(-1).view(torch.uint8).numpy()), handle.offset)
+                except OSError as err:  # a full disk: the tensor stays in memory, the next pack raises
+                    self._error, failed = err, True
+                elapsed = time.perf_counter() - start
+            nbytes = handle.nbytes
+            with self._lock:
+                self.stats.write_s += elapsed
+                handle.written = True
+                handle.keep = handle.keep or failed or self._error is not None
+                if not handle.keep:
+                    handle.data = None  # its memory goes now
+            del handle, data  # before anyone is told: a handle nobody else holds frees its region here
+            with self._lock:
+                self._pending -= nbytes
+                self._maybe_restart()
+                self._lock.notify_all()
+
+    def _release(self, handle: _Spilled) -> None:
+        with self._lock:
+            self.stats.out_bytes -= handle.nbytes
+            self._free[handle.size].append(handle.offset)
+            self._maybe_restart()
+
+    def _maybe_restart(self) -> None:
+        """Everything came back: later tensors start again from the file's beginning (so tensors of
+        changing sizes do not leave it ever longer)."""
+        if self.stats.out_bytes == 0 and self._pending == 0:
+            self._free.clear()
+            self._end = 0
+
+    def flush(self) -> None:
+        """Wait until every tensor handed to the writer is written."""
+        with self._lock:
+            while self._pending:
+                self._lock.wait()
+        self._raise_write_error()
+
+    def _raise_write_error(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(
+                f"writing saved activations to the spill directory {self.directory} failed: {self._error} "
+                "(the tensors not written stayed in memory; free space there, or offload less)"
+            ) from self._error
+
     def close(self) -> None:
-        """Remove the spill directory if this tier made it."""
+        """Stop the writer, close the spill file and remove the directory if this tier made it."""
+        if self._writer is not None:
+            self._queue.put(None)
+            self._writer.join()
+            self._writer = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
         if self._own:
-            for p in self.directory.glob("*.bin"):
-                p.unlink()
             self.directory.rmdir()
 
 
+def _write_exactly(fd: int, view: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(view):  # one pwrite moves at most about 2 GiB
+        done += os.pwrite(fd, view[done:], offset + done)
+
+
+def _read_exactly(fd: int, view: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            raise OSError(f"the spill file ended at byte {offset + done}: a region was not written")
+        done += n
+
+
 class _Spilled:
-    """A saved tensor in a file. The file lives as long as the handle: autograd drops the handle
-    after the backward that read it, or with a graph whose backward never ran."""
+    """A saved tensor in a region of the spill file (or still on its way there). The region lives as
+    long as the handle: autograd drops the handle after the backward that read it, or with a graph
+    whose backward never ran."""
 
     def __init__(
-        self, tier: FileTier, path: Path, shape: torch.Size, dtype: torch.dtype, device: torch.device, nbytes: int
+        self,
+        tier: FileTier,
+        offset: int,
+        size: int,
+        data: torch.Tensor,
+        shape: torch.Size,
+        dtype: torch.dtype,
+        device: torch.device,
+        nbytes: int,
     ) -> None:
-        self.tier, self.path, self.shape, self.dtype, self.device, self.nbytes = (
-            tier,
-            path,
-            shape,
-            dtype,
-            device,
-            nbytes,
-        )
+        self.tier, self.offset, self.size, self.nbytes = tier, offset, size, nbytes
+        self.shape, self.dtype, self.device = shape, dtype, device
+        self.data: torch.Tensor | None = data  # the bytes until written (or for good, once kept)
+        self.written = False
+        self.keep = False  # the backward took ``data`` before it was written
         self.loaded: weakref.ref[torch.Tensor] | None = None  # the tensor last read back, while alive
 
     def __del__(self) -> None:
-        self.path.unlink(missing_ok=True)
-        self.tier.stats.out_bytes -= self.nbytes
+        self.tier._release(self)
 
 
 @contextmanager
@@ -144,7 +284,7 @@ def offload_saved_tensors(tier: FileTier, *, min_bytes: int = 1 << 16) -> Iterat
     written: dict[int, tuple[weakref.ref[torch.Tensor], _Spilled]] = {}  # id -> (the tensor, its handle)
 
     def pack(t: torch.Tensor) -> Any:
-        if isinstance(t, nn.Parameter) or t.numel() * t.element_size() < min_bytes:
+        if is_parameter(t) or t.numel() * t.element_size() < min_bytes:
             return t
         hit = written.get(id(t))
         if hit is not None and hit[0]() is t:  # the same live tensor (an id alone may be reused)
@@ -241,7 +381,7 @@ def count_saved_bytes() -> Iterator[list[int]]:
     seen: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        if not isinstance(t, nn.Parameter):
+        if not is_parameter(t):
             storage = t.untyped_storage()
             seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
         return t

@@ -2,8 +2,9 @@
 
 One record: ``{"rank", "step", "phase", "stage", "dst", "peer", "mb", "kind", "start", "end", "bytes"}``
 (``dst`` / ``peer``: the consumer stage and the other rank of a transfer, else null), plus, on
-ranks that offload activations, the action's ``offloaded_bytes``, ``offload_write_s`` and
-``offload_wait_s`` (seconds a backward waited to read its tensors back) when non-zero;
+ranks that offload activations, the action's ``offloaded_bytes`` (forward), ``offload_returned_bytes``
+(backward), ``offload_write_s`` (the background writer's seconds) and ``offload_wait_s`` (seconds the
+action waited on the tier: a forward on the writer, a backward on its reads) when non-zero;
 times are ``time.perf_counter()`` seconds offset to the Unix epoch at recorder creation, so ranks
 on one machine share a clock. The dashboard and the simulator read the same format.
 """

@@ -221,8 +221,10 @@ class Executor:
                     now = self.spill.stats
                     extra = {
                         "offloaded_bytes": now.offloaded_bytes - tier.offloaded_bytes,
-                        "offload_write_s": now.write_s - tier.write_s,
-                        "offload_wait_s": now.read_s - tier.read_s,  # backward waiting for its tensors
+                        "offload_returned_bytes": now.returned_bytes - tier.returned_bytes,
+                        "offload_write_s": now.write_s - tier.write_s,  # the background writer's
+                        # the action waiting on the tier: the forward on the writer, the backward on reads
+                        "offload_wait_s": now.read_s - tier.read_s + now.pack_wait_s - tier.pack_wait_s,
                     }
                 self.events.record(action, start, time.perf_counter(), moved, **extra)
         for stage in self.local:  # a forward-only pass leaves gather_once parameters gathered

@@ -56,12 +56,12 @@ def test_recompute_and_offload_in_the_pipeline_are_bitwise_identical(reference: 
     got = read_metrics(tmp_path / "mem")
     offloaded = [r["offloaded_bytes"] for r in got if "offloaded_bytes" in r]
     assert len(offloaded) == 2 and 0 < offloaded[0] < offloaded[1]  # cumulative, every step moved some
-    assert not list((tmp_path / "mem" / "spill" / "rank1").glob("*.bin"))  # every tensor came back
+    assert not list((tmp_path / "mem" / "spill" / "rank1").iterdir())  # the spill file left nothing behind
 
 
 def test_a_policy_per_block_from_the_config_with_offload_events(reference: Path, tmp_path: Path) -> None:
     """``memory.dit.blocks=[offload, recompute, selective, keep]``: bitwise the same training, and
-    every DiT forward records the bytes it offloaded, every backward the time it waited for them."""
+    every DiT forward records the bytes it offloaded, every backward the bytes it got back."""
     blocks = StageMemoryConfig(blocks=["offload", "recompute", "selective", "keep"])
     _run(tmp_path / "blocks", 2, {"text": [0], "vae": [0], "dit": [1]}, {"dit": blocks})
     _same_training(reference, tmp_path / "blocks")
@@ -70,6 +70,8 @@ def test_a_policy_per_block_from_the_config_with_offload_events(reference: Path,
     backwards = [e for e in events if e["kind"] == "B"]
     assert len(forwards) == len(backwards) == 2 * 4  # 2 steps x 4 micro-batches
     assert len({e["offloaded_bytes"] for e in forwards}) == 1 and forwards[0]["offloaded_bytes"] > 0
-    assert all(e["offload_wait_s"] > 0 for e in backwards) and not any("offloaded_bytes" in e for e in backwards)
+    assert not any("offloaded_bytes" in e for e in backwards)
+    # every backward got its micro-batch's tensors back (a tensor several ops save may be read twice)
+    assert all(e.get("offload_returned_bytes", 0) >= forwards[0]["offloaded_bytes"] for e in backwards)
     total = read_metrics(tmp_path / "blocks")[-1]["offloaded_bytes"]
     assert sum(e["offloaded_bytes"] for e in forwards) == total  # the metrics count the same bytes

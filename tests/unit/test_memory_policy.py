@@ -78,7 +78,7 @@ def _savers(stage: WanDiTFlowMatchingStage) -> dict[int, tuple[int, set[int | No
     found: dict[int, tuple[int, set[int | None]]] = defaultdict(lambda: (0, set()))
 
     def pack(t: torch.Tensor) -> Any:
-        if not isinstance(t, nn.Parameter):
+        if not isinstance(t, nn.Parameter) and not isinstance(t._base, nn.Parameter):  # weights' views too
             s = t.untyped_storage()
             nbytes, who = found[s.data_ptr()]
             found[s.data_ptr()] = (max(nbytes, s.nbytes()), who | {current[0]})

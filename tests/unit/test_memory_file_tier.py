@@ -1,0 +1,129 @@
+"""The file tier on its own: bytes come back exactly, regions are reused, the background writer is
+bounded, and a tensor the backward needs before it was written is handed back as it is."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+import mmpipe.memory.policy as policy
+from mmpipe.memory.policy import FileTier
+
+
+def _tensors() -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 5, 4, generator=gen)
+    return [
+        x,
+        x.transpose(0, 2),  # not contiguous
+        x[:, 1],  # a strided view
+        torch.randn((), generator=gen, dtype=torch.float64),  # 0-dim
+        torch.empty(0, 3),
+        torch.randint(-100, 100, (7, 3), generator=gen, dtype=torch.int64),
+        torch.randn(33, generator=gen).to(torch.bfloat16),
+        torch.rand(5, generator=gen) > 0.5,
+    ]
+
+
+def test_every_tensor_comes_back_bitwise_and_the_file_is_gone(tmp_path: Path) -> None:
+    tier = FileTier(tmp_path)
+    assert not list(tmp_path.iterdir())  # the spill file is unlinked as soon as it is open
+    tensors = _tensors()
+    handles = [tier.pack(t) for t in tensors]
+    tier.flush()
+    assert tier.stats.unwritten_bytes == 0 and all(h.data is None for h in handles)  # memory released
+    for t, h in zip(tensors, handles, strict=True):
+        got = tier.unpack(h)
+        assert got.shape == t.shape and got.dtype == t.dtype and torch.equal(got, t)
+    assert tier.stats.returned_bytes == tier.stats.offloaded_bytes == sum(t.numel() * t.element_size() for t in tensors)
+    del handles, got, h
+    assert tier.stats.out_bytes == 0
+    tier.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        tier.pack(torch.ones(3))
+
+
+def test_regions_are_reused_so_the_file_does_not_grow_step_after_step() -> None:
+    tier = FileTier()
+    sizes = []
+    for step in range(4):
+        saved = [tier.pack(torch.full((1024 + 256 * i,), float(step))) for i in range(5)]
+        tier.flush()
+        assert all(torch.equal(tier.unpack(h), torch.full((1024 + 256 * i,), float(step))) for i, h in enumerate(saved))
+        sizes.append(os.fstat(tier._fd).st_size)  # type: ignore[arg-type]
+        del saved
+    assert sizes[0] > 0 and len(set(sizes)) == 1, sizes
+    # regions of freed tensors serve later ones of the same size while others are still out
+    a, b = tier.pack(torch.ones(1000)), tier.pack(torch.ones(1000))
+    offset = a.offset
+    tier.flush()  # (the writer holds a handle until it is written)
+    del a
+    c = tier.pack(torch.zeros(1000))
+    assert c.offset == offset and b.offset != offset
+    tier.flush()
+    assert torch.equal(tier.unpack(b), torch.ones(1000)) and torch.equal(tier.unpack(c), torch.zeros(1000))
+    tier.close()
+
+
+@pytest.fixture
+def held_writer(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """The writer blocks before each write until the event is set."""
+    go = threading.Event()
+    write = policy._write_exactly
+
+    def slow(fd: int, view: memoryview, offset: int) -> None:
+        assert go.wait(30), "the test never released the writer"
+        write(fd, view, offset)
+
+    monkeypatch.setattr(policy, "_write_exactly", slow)
+    return go
+
+
+def test_the_backward_takes_a_tensor_not_written_yet(held_writer: threading.Event) -> None:
+    tier = FileTier()
+    t = torch.randn(64, 64)
+    h = tier.pack(t)
+    got = tier.unpack(h)  # the writer has not written it: the tensor itself comes back
+    assert torch.equal(got, t) and got.data_ptr() == t.data_ptr()
+    assert tier.stats.unwritten_bytes == tier.stats.returned_bytes == t.numel() * 4
+    held_writer.set()
+    tier.flush()
+    del got
+    assert torch.equal(tier.unpack(h), t)  # still whole after the write it raced with
+    tier.close()
+
+
+def test_the_forward_waits_once_the_writer_is_max_pending_bytes_behind(held_writer: threading.Event) -> None:
+    tier = FileTier(max_pending_bytes=1 << 16)  # 64 KiB
+    first = tier.pack(torch.ones(8192))  # 32 KiB: under the bound
+    done: list[object] = []
+    second = threading.Thread(target=lambda: done.append(tier.pack(torch.ones(16384))))  # 64 KiB more
+    second.start()
+    second.join(0.5)
+    assert second.is_alive() and not done  # blocked behind the unwritten 32 KiB
+    held_writer.set()
+    second.join(30)
+    assert done and tier.stats.pack_wait_s > 0
+    tier.flush()
+    assert torch.equal(tier.unpack(first), torch.ones(8192))
+    tier.close()
+
+
+def test_a_full_disk_keeps_the_tensor_and_the_next_pack_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    def full(fd: int, view: memoryview, offset: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(policy, "_write_exactly", full)
+    tier = FileTier()
+    t = torch.randn(100)
+    h = tier.pack(t)
+    with pytest.raises(RuntimeError, match=r"spill directory .*mmpipe-spill-.* failed: .*No space left"):
+        tier.flush()
+    with pytest.raises(RuntimeError, match="No space left"):
+        tier.pack(torch.ones(3))
+    assert torch.equal(tier.unpack(h), t)  # nothing lost
+    tier.close()
