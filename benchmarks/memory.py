@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from diffusers import WanTransformer3DModel
 
-from mmpipe.memory.budget import FILE_TIER_BYTES_PER_S, choose_policies
+from mmpipe.memory.budget import FILE_TIER_BYTES_PER_S, BlockPricing, choose_policies
 from mmpipe.memory.policy import BlockPolicy, FileTier, apply_block_policies, count_saved_bytes
 from mmpipe.sched.cost import measure_stage_cost
 from mmpipe.stages._source import ModuleSource
@@ -77,10 +77,8 @@ def auto_choice(layers: int, heads: int, frames: int, cap: int) -> Any:
     stage = build_stage(layers, heads)
     shapes = {k: (tuple(v.shape), v.dtype) for k, v in inputs(frames).items()}
     cost = measure_stage_cost(stage, shapes, dtype=torch.float32, seed=0)
-    return choose_policies(
-        cost, budget_bytes=cap, inflight=1, flops_per_s=5e10, offload_bytes_per_s=FILE_TIER_BYTES_PER_S,
-        fixed_bytes=fixed_bytes(layers, heads),
-    )  # fmt: skip
+    pricing = BlockPricing.from_cost(cost, flops_per_s=5e10, offload_bytes_per_s=FILE_TIER_BYTES_PER_S)
+    return choose_policies(pricing, budget_bytes=cap, inflight=1, fixed_bytes=fixed_bytes(layers, heads))
 
 
 def main() -> None:

@@ -1,28 +1,92 @@
 """The activation budget planner: per-block policies that fit a memory budget at the least added time.
 
-Inputs come from the cost model (:class:`mmpipe.sched.cost.StageCost`, measured on the meta device:
-activation bytes in and out of the repeated blocks, the blocks' inputs and FLOPs) and from the
-pipeline: under 1F1B a rank holds the activations of several micro-batches at once, so the resident
-estimate is ``inflight x`` one micro-batch's. Per block and micro-batch:
+One search serves every caller: a run's ``memory.<stage>.policy=auto`` (``mmpipe.train``), the
+layout planner's memory-policy search (``mmpipe.sched.planner``, for every configuration it
+weighs) and ``benchmarks/memory.py``. Callers describe a stage's repeated blocks on one rank with a
+:class:`BlockPricing` (from the cost model's :class:`~mmpipe.sched.cost.StageCost`, measured on the
+meta device): per micro-batch, what a block saves and what recomputing or offloading it costs.
+Under 1F1B a rank holds the activations of several micro-batches at once, so the resident estimate is
+``inflight x`` one micro-batch's. Per block and micro-batch:
 
 - keep: its saved bytes stay;
-- recompute: only its input stays; the backward pays its forward FLOPs again;
+- recompute: only its input stays; the backward pays its forward again;
 - offload: nothing large stays; the step pays writing and reading its saved bytes at the tier's
-  bandwidth (not overlapped on CPU, where the file tier is synchronous).
+  bandwidth, less what the copies hide behind compute (``hidden_s``: the forward and backward on a
+  GPU with copies on a side stream; none for the file tier, whose reads block the backward).
 
-Blocks are alike, so the search is over counts ``(recompute, offload)``: exact, and at most
-``(blocks + 1)^2`` candidates.
+Blocks are alike, so the search is over counts ``(recompute, offload)``, and for each recompute
+count the least offload count that fits is the cheapest (time only grows with it): exact, in
+``blocks + 1`` steps.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from mmpipe.memory.policy import BlockPolicy
+from mmpipe.sched.cluster import FILE_TIER_BYTES_PER_S
 from mmpipe.sched.cost import StageCost
 
-# What the file tier is priced at: the order of a local NVMe's sequential write/read bandwidth.
-FILE_TIER_BYTES_PER_S = 1e9
+__all__ = ["FILE_TIER_BYTES_PER_S", "BlockPricing", "PolicyChoice", "choose_policies"]
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockPricing:
+    """A stage's repeated blocks on one rank, per micro-batch: bytes each saves (``block_bytes``),
+    its input (what recomputing it keeps), the saved bytes outside the blocks, and the seconds a
+    block's recomputation and offload (out and back) add; ``hidden_s``: compute the tier's copies
+    overlap with; ``tier_bytes``: what the tier holds at most (all micro-batches in flight)."""
+
+    blocks: int
+    block_bytes: float
+    input_bytes: float
+    outside_bytes: float
+    recompute_s: float
+    offload_s: float
+    hidden_s: float = 0.0
+    tier_bytes: float = math.inf
+
+    @classmethod
+    def from_cost(
+        cls,
+        cost: StageCost,
+        *,
+        rows: float = 1.0,
+        flops_per_s: float,
+        offload_bytes_per_s: float,
+        hidden_s: float = 0.0,
+        tier_bytes: float = math.inf,
+    ) -> BlockPricing:
+        """From one sample's cost: ``rows`` samples' worth on the rank (a micro-batch's samples over
+        its data-parallel and sequence-parallel split)."""
+        n = max(cost.blocks, 1)
+        block_bytes = rows * cost.block_activation_bytes / n
+        return cls(
+            blocks=cost.blocks,
+            block_bytes=block_bytes,
+            input_bytes=rows * cost.block_input_bytes / n,
+            outside_bytes=rows * (cost.activation_bytes - cost.block_activation_bytes),
+            recompute_s=rows * cost.block_flops / n / flops_per_s,
+            offload_s=2 * block_bytes / offload_bytes_per_s,
+            hidden_s=hidden_s,
+            tier_bytes=tier_bytes,
+        )
+
+    def resident(self, recompute: int, offload: int, *, inflight: int, fixed_bytes: float = 0) -> float:
+        """Saved-activation bytes a rank holds with ``recompute`` / ``offload`` of the blocks (plus
+        ``fixed_bytes``: weights, optimizer state, whatever else the rank keeps)."""
+        kept = self.blocks - recompute - offload
+        one = self.outside_bytes + kept * self.block_bytes + recompute * self.input_bytes
+        return inflight * one + fixed_bytes
+
+    def resident_bytes(self, recompute: int, offload: int, *, inflight: int, fixed_bytes: float = 0) -> int:
+        """:meth:`resident`, rounded up to whole bytes."""
+        return math.ceil(self.resident(recompute, offload, inflight=inflight, fixed_bytes=fixed_bytes))
+
+    def added_s(self, recompute: int, offload: int) -> float:
+        """Seconds the policies add to a micro-batch's forward and backward."""
+        return recompute * self.recompute_s + max(0.0, offload * self.offload_s - self.hidden_s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,45 +113,44 @@ class PolicyChoice:
         )
 
 
-def resident_bytes(cost: StageCost, recompute: int, offload: int, *, inflight: int, fixed_bytes: int = 0) -> int:
-    """Saved-activation bytes a rank holds with ``recompute`` / ``offload`` of the stage's blocks."""
-    n = max(cost.blocks, 1)
-    per_block = cost.block_activation_bytes / n
-    per_input = cost.block_input_bytes / n
-    outside = cost.activation_bytes - cost.block_activation_bytes
-    kept = cost.blocks - recompute - offload
-    one = outside + kept * per_block + recompute * per_input
-    return int(inflight * one) + fixed_bytes
-
-
 def choose_policies(
-    cost: StageCost,
+    pricing: BlockPricing,
     *,
-    budget_bytes: int,
+    budget_bytes: float,
     inflight: int,
-    flops_per_s: float,
-    offload_bytes_per_s: float,
-    fixed_bytes: int = 0,
+    fixed_bytes: float = 0,
+    offload: bool = True,
 ) -> PolicyChoice:
-    """The cheapest ``(recompute, offload)`` counts whose resident bytes fit ``budget_bytes``.
+    """The cheapest ``(recompute, offload)`` counts whose resident bytes fit ``budget_bytes``: for each
+    recompute count the least offload that fits (offloading more never saves time); among equally
+    cheap ones, the fewest bytes. ``offload=False``: recomputation only (a runtime with no tier).
 
     Raises ``ValueError`` naming the budget and the least the stage can hold when nothing fits.
     """
-    if cost.blocks == 0:
+    n = pricing.blocks
+    if n == 0:
         raise ValueError("the stage has no repeated blocks to recompute or offload")
-    per_block_s = cost.block_flops / cost.blocks / flops_per_s
-    per_block_io_s = 2 * cost.block_activation_bytes / cost.blocks / offload_bytes_per_s
+    max_offload_by_tier = (
+        n if pricing.tier_bytes == math.inf else int(pricing.tier_bytes // max(inflight * pricing.block_bytes, 1))
+    )
     best: PolicyChoice | None = None
-    least = None
-    for r in range(cost.blocks + 1):
-        for o in range(cost.blocks - r + 1):
-            held = resident_bytes(cost, r, o, inflight=inflight, fixed_bytes=fixed_bytes)
-            least = held if least is None else min(least, held)
-            if held > budget_bytes:
-                continue
-            added = r * per_block_s + o * per_block_io_s
-            if best is None or added < best.added_s or (added == best.added_s and held < best.resident_bytes):
-                best = PolicyChoice(r, o, cost.blocks, held, added)
+    least: float | None = None
+    for r in range(n + 1):
+        most = min(n - r, max_offload_by_tier) if offload else 0
+        # each offloaded block takes its bytes off every micro-batch in flight: the least count that fits
+        def held(o: int, r: int = r) -> float:
+            return pricing.resident(r, o, inflight=inflight, fixed_bytes=fixed_bytes)
+
+        over = held(0) - budget_bytes
+        o = max(0, math.floor(over / (inflight * pricing.block_bytes))) if over > 0 and pricing.block_bytes else 0
+        while o <= most and held(o) > budget_bytes:
+            o += 1  # (the floor above starts one short at most, for rounding)
+        least = held(min(o, most)) if least is None else min(least, held(min(o, most)))
+        if o > most:
+            continue
+        added = pricing.added_s(r, o)
+        if best is None or added < best.added_s or (added == best.added_s and held(o) < best.resident_bytes):
+            best = PolicyChoice(r, o, n, math.ceil(held(o)), added)
     if best is None:
         raise ValueError(
             f"no activation policy fits a budget of {budget_bytes / 2**30:.2f} GiB: at least "

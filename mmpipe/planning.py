@@ -66,7 +66,6 @@ def plan(
         micro_batches=micro_batches,
         simulate_top=3 if simulate else 0,
         batch_is_cap=global_batch is None,
-        **runtime_limits(cluster),
     )
     return planner.plan()
 
@@ -87,14 +86,6 @@ def plan_from_config(cfg: PlanConfig) -> tuple[Graph, PlanReport]:
     return graph, report
 
 
-def runtime_limits(cluster: Cluster) -> dict[str, Any]:
-    """Limits of local (CPU) plans: the runtime offloads to a file tier there, which the planner's
-    offload model (host-link bandwidth) does not price yet, so local plans use no memory policy."""
-    if cluster.device == "cpu":
-        return {"memory_policies": False}
-    return {}
-
-
 def predict(
     workload: Workload,
     cluster: Cluster,
@@ -103,7 +94,7 @@ def predict(
     calibration: Calibration | None,
 ) -> PlanResult:
     """The simulated figures of a given placement (not one the planner chose)."""
-    planner = Planner(workload, cluster, calibration=calibration, **runtime_limits(cluster))
+    planner = Planner(workload, cluster, calibration=calibration)
     b = workload.global_batch // micro_batches
     configs = {}
     for s in workload.order:

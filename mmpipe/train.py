@@ -208,10 +208,12 @@ def auto_placement(graph: Graph, cfg: RunConfig) -> dict[str, Any]:
         name=cfg.model.name,
     )
     logger.info("placement=auto (%s):\n%s", "calibrated" if path.is_file() else "uncalibrated", report.format())
-    return {
-        s: {"ranks": list(g.ranks), "dp": g.dp, "ulysses": g.ulysses, "ring": g.ring}
-        for s, g in report.best.candidate.placement().items()
-    }
+    placement: dict[str, Any] = {}
+    for s, g in report.best.candidate.placement().items():
+        placement[s] = {"ranks": list(g.ranks), "dp": g.dp, "ulysses": g.ulysses, "ring": g.ring}
+        # the memory policy the layout needs to fit (recomputed / file-tier offloaded blocks)
+        placement[s].update({k: v for k, v in (("recompute", g.recompute), ("offload", g.offload)) if v})
+    return placement
 
 
 def apply_parallel(
@@ -330,7 +332,7 @@ def auto_memory(
     """The budget planner's fractions for ``stage`` on one of its ranks: its cost measured on the meta
     device for this run's shapes, the micro-batches the schedule keeps in flight on that rank, and
     its parameters, gradients and Adam moments (16 bytes a parameter, sharded over the group)."""
-    from mmpipe.memory.budget import FILE_TIER_BYTES_PER_S, choose_policies
+    from mmpipe.memory.budget import FILE_TIER_BYTES_PER_S, BlockPricing, choose_policies
     from mmpipe.sched.cluster import Cluster
     from mmpipe.sched.cost import measure_graph_costs
     from mmpipe.workloads import sample_inputs
@@ -340,23 +342,17 @@ def auto_memory(
     shapes = sample_inputs(graph, cfg.model.text_len, data.frames, data.height, data.width)
     per_sample = measure_graph_costs(graph, shapes, dtype=dtype)[stage]
     rows = (cfg.train.batch_size // cfg.train.micro_batches) / group.dp / group.sp  # samples' worth per rank
-    cost = dataclasses.replace(
-        per_sample,
-        activation_bytes=int(per_sample.activation_bytes * rows),
-        block_activation_bytes=int(per_sample.block_activation_bytes * rows),
-        block_input_bytes=int(per_sample.block_input_bytes * rows),
-        block_flops=per_sample.block_flops * rows,
-    )
     cluster = Cluster.local(cfg.launch.nproc)
+    pricing = BlockPricing.from_cost(
+        per_sample,
+        rows=rows,
+        flops_per_s=cluster.peak_flops * cluster.efficiency,
+        offload_bytes_per_s=FILE_TIER_BYTES_PER_S,  # the file tier: its reads block the backward
+    )
     fixed = 16 * per_sample.params // len(group.ranks) if stage in plan.trainable else 0
     try:
         choice = choose_policies(
-            cost,
-            budget_bytes=budget,
-            inflight=inflight_micro_batches(plan, stage),
-            flops_per_s=cluster.peak_flops * cluster.efficiency,
-            offload_bytes_per_s=FILE_TIER_BYTES_PER_S,
-            fixed_bytes=fixed,
+            pricing, budget_bytes=budget, inflight=inflight_micro_batches(plan, stage), fixed_bytes=fixed
         )
     except ValueError as err:
         raise PlanError(f"memory.{stage}.budget_gb={budget / 2**30:g}: {err}") from None

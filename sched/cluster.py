@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
+import tempfile
 from collections.abc import Sequence
 from importlib import resources
 
@@ -25,6 +27,11 @@ class Level:
     bandwidth: float
 
 
+# What the file tier (``mmpipe.memory.policy.FileTier``, the CPU runtime's activation offload) is
+# priced at: the order of a local NVMe's sequential write/read bandwidth.
+FILE_TIER_BYTES_PER_S = 1e9
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Cluster:
     """``world_size`` identical devices and their bandwidth levels, innermost first."""
@@ -38,6 +45,7 @@ class Cluster:
     network_bandwidth: float  # bytes/s per rank beyond the largest level
     host_bandwidth: float = 5.0e10  # bytes/s per device to host memory (activation offload)
     host_memory_bytes: float = 2.5e11  # host memory per device available for offloaded activations
+    offload_overlap: bool = True  # offload copies run beside compute (a side stream); False: they block
     latency: float = 1e-5  # seconds per point-to-point message
     dtype_bytes: int = 2  # bytes per parameter / activation element on the wire (bf16)
     overlap_collectives: bool = True  # collectives run on their own stream, hidden behind compute
@@ -123,6 +131,7 @@ class Cluster:
         is nominal (a core's fp32 FMA rate); ``mmpipe profile`` measures the achieved fraction."""
         n = nproc or os.cpu_count() or 1
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / n
+        spill = shutil.disk_usage(tempfile.gettempdir()).free / n
         return cls(
             name="local",
             device="cpu",
@@ -131,8 +140,11 @@ class Cluster:
             memory_bytes=memory,
             levels=(Level(name="host", size=n, bandwidth=5e9),),
             network_bandwidth=1e9,
-            host_bandwidth=5e9,
-            host_memory_bytes=memory,
+            # activation offload goes to the file tier: its bandwidth and the disk's free space, and
+            # the backward waits for its reads
+            host_bandwidth=FILE_TIER_BYTES_PER_S,
+            host_memory_bytes=spill,
+            offload_overlap=False,
             latency=3e-4,  # gloo over loopback TCP
             dtype_bytes=4,  # CPU runs train in float32
             overlap_collectives=False,  # gloo collectives block the rank

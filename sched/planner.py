@@ -44,14 +44,13 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from mmpipe.memory.budget import BlockPricing, choose_policies
 from mmpipe.sched.cluster import Cluster
 from mmpipe.sched.cost import StageCost
 from mmpipe.sched.plan import Action, ActionKind, DeviceGroup, Plan, PlanError, format_ranks
 from mmpipe.sched.schedule import GraphInfo, ScheduleKind, backward_stages, build_plan
 from mmpipe.sched.simulator import bubble_fractions, simulate
 
-RECOMPUTE = (0.0, 0.25, 0.5, 0.75, 1.0)
-OFFLOAD = (0.0, 0.5, 1.0)
 RING = (1, 2, 4, 8)
 USABLE_MEMORY = 0.9  # of device memory: the rest is the framework's, fragmentation, buffers
 ADAM_BYTES = 16  # fp32 master weight + fp32 gradient + two fp32 Adam moments, per parameter
@@ -266,7 +265,8 @@ class CostModel:
         offload_s = 2 * moved / self.cluster.host_bandwidth
         compute = fwd + bwd + rec
         hidden = compute if self.cluster.overlap_collectives else 0.0
-        exposed = max(0.0, fsdp - hidden) + max(0.0, offload_s - compute)
+        offload_exposed = max(0.0, offload_s - compute) if self.cluster.offload_overlap else offload_s
+        exposed = max(0.0, fsdp - hidden) + offload_exposed
         forward_s = fwd + a2a_f + ring_f
         backward_s = bwd + rec + a2a_b + ring_b + exposed if train else 0.0
         if not train:
@@ -538,7 +538,7 @@ class Planner:
         self.batch_is_cap = batch_is_cap
         self.model = CostModel(cluster, workload, calibration)
         self.max_sp = max_sequence_parallel if max_sequence_parallel is not None else cluster.levels[0].size
-        self.policies = [(r, o) for r in RECOMPUTE for o in OFFLOAD] if memory_policies else [(0.0, 0.0)]
+        self.memory_policies = memory_policies
         self.micro_batches = micro_batches
         self.simulate_top = simulate_top
 
@@ -553,7 +553,7 @@ class Planner:
         if not cands:
             tried = (
                 "even full recomputation and offload exceed it"
-                if len(self.policies) > 1
+                if self.memory_policies
                 else "recomputation and offload were not considered (the runtime for this device cannot apply them yet)"
             )
             raise ValueError(
@@ -649,32 +649,20 @@ class Planner:
     def best_config(
         self, stage: str, b: int, dp: int, micro_batches: int, *, sp: Iterable[tuple[int, int]], reserved: float = 0.0
     ) -> StageConfig | None:
-        """The fastest configuration of ``stage`` with ``dp`` replicas that fits memory."""
+        """The fastest configuration of ``stage`` with ``dp`` replicas that fits memory; when keeping
+        every activation does not fit, with the memory policy ``mmpipe.memory.budget`` chooses."""
         best: StageConfig | None = None
-        train = stage in self.w.backward
         inflight = self.inflight_micro_batches(stage, micro_batches)
-        recomputes = sorted({rc for rc, _ in self.policies}) if train else [0.0]
-        offloads = sorted({off for _, off in self.policies}) if train else [0.0]
+        samples = -(-b // dp)
         for u, r in sp:
-            base: StageConfig | None = None
-            for rc in recomputes:
-                fit = None
-                for off in offloads:  # more offload of the same recompute never runs faster
-                    cfg = self.model.configure(
-                        stage, -(-b // dp), dp, u, r, rc, off, inflight=inflight, reserved=reserved
-                    )
-                    if self.model.fits(cfg):
-                        fit = cfg
-                        break
-                if fit is None:
-                    continue
-                if best is None or fit.time < best.time:
-                    best = fit
-                if base is None:
-                    base = self.model.configure(stage, -(-b // dp), dp, u, r, 0.0, 0.0, inflight=inflight)
-                # A higher recompute fraction adds compute; it only pays while offload is exposed.
-                if fit.offload == 0.0 or fit.time <= self._no_offload_time(fit, base):
-                    break
+            cfg: StageConfig | None = self.model.configure(
+                stage, samples, dp, u, r, 0.0, 0.0, inflight=inflight, reserved=reserved
+            )
+            assert cfg is not None
+            if not self.model.fits(cfg):
+                cfg = self.memory_policy(cfg, reserved) if self.memory_policies else None
+            if cfg is not None and (best is None or cfg.time < best.time):
+                best = cfg
         if best is not None and stage in self.w.trainable and best.ranks > 1:
             # Parameters gathered once per step: their memory for fewer gathers, when those are exposed.
             once = self.model.configure(
@@ -694,11 +682,40 @@ class Planner:
                 best = once
         return best
 
-    def _no_offload_time(self, fit: StageConfig, base: StageConfig) -> float:
-        """The time ``fit`` would take if its offload were fully hidden."""
-        c = self.w.costs[fit.stage]
-        rate = self.model.rate(fit.stage, "forward")
-        return (base.time + fit.recompute * fit.samples * c.block_flops / (fit.ulysses * fit.ring) / rate) * (1 + 1e-9)
+    def memory_policy(self, keep: StageConfig, reserved: float = 0.0) -> StageConfig | None:
+        """``keep`` (every activation kept, too big) with the cheapest counts of recomputed and
+        offloaded blocks that fit, priced by this cost model; None when nothing fits."""
+        stage, c = keep.stage, self.w.costs[keep.stage]
+        if stage not in self.w.backward or not c.blocks:
+            return None
+        args = (stage, keep.samples, keep.dp, keep.ulysses, keep.ring)
+        full = self.model.configure(*args, 1.0, 0.0, inflight=keep.inflight, reserved=reserved)
+        rows = keep.samples / (keep.ulysses * keep.ring)
+        pricing = dataclasses.replace(
+            BlockPricing.from_cost(
+                c,
+                rows=rows,
+                flops_per_s=self.model.rate(stage, "forward"),
+                offload_bytes_per_s=self.cluster.host_bandwidth,
+                hidden_s=keep.time if self.cluster.offload_overlap else 0.0,
+                tier_bytes=self.cluster.host_memory_bytes,
+            ),
+            recompute_s=(full.time - keep.time) / c.blocks,  # its communication (all-to-alls, gathers) too
+        )
+        fixed = keep.memory - keep.inflight * pricing.resident_bytes(0, 0, inflight=1)  # all but the managed
+        try:
+            choice = choose_policies(pricing, budget_bytes=self.model.budget, inflight=keep.inflight, fixed_bytes=fixed)
+        except ValueError:
+            return None
+        for offload in range(choice.offload, c.blocks - choice.recompute + 1):  # (float rounding)
+            kept = c.blocks - choice.recompute
+            cfg = self.model.configure(
+                *args, choice.recompute / c.blocks, offload / kept if kept else 0.0,
+                inflight=keep.inflight, reserved=reserved,
+            )  # fmt: skip
+            if self.model.fits(cfg):
+                return cfg
+        return None
 
     # -- disaggregated ---------------------------------------------------------------------------
     def disaggregated(self) -> list[Candidate | None]:

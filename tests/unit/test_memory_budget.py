@@ -7,7 +7,7 @@ import pytest
 import torch
 from test_memory_policy import _inputs, _stage
 
-from mmpipe.memory.budget import choose_policies, resident_bytes
+from mmpipe.memory.budget import BlockPricing, choose_policies
 from mmpipe.memory.policy import FileTier, apply_block_policies, count_saved_bytes
 from mmpipe.sched.cost import StageCost, measure_stage_cost
 
@@ -22,39 +22,78 @@ def _cost(**kw: float) -> StageCost:
     return StageCost(**base)  # type: ignore[arg-type]
 
 
+def _pricing(offload_bytes_per_s: float = 1e3, **kw: float) -> BlockPricing:
+    return BlockPricing.from_cost(_cost(), flops_per_s=1e12, offload_bytes_per_s=offload_bytes_per_s, **kw)
+
+
+def _brute_force(p: BlockPricing, budget: float, inflight: int) -> tuple[float, int] | None:
+    """(least added seconds, fewest bytes at it) over every (recompute, offload) count."""
+    fits = [
+        (p.added_s(r, o), p.resident_bytes(r, o, inflight=inflight))
+        for r in range(p.blocks + 1)
+        for o in range(p.blocks - r + 1)
+        if p.resident_bytes(r, o, inflight=inflight) <= budget and inflight * o * p.block_bytes <= p.tier_bytes
+    ]
+    return min(fits) if fits else None
+
+
 def test_keeps_everything_when_it_fits_and_counts_micro_batches_in_flight() -> None:
-    cost = _cost()
-    assert resident_bytes(cost, 0, 0, inflight=3) == 3 * 1100
-    choice = choose_policies(cost, budget_bytes=3300, inflight=3, flops_per_s=1e12, offload_bytes_per_s=1e3)
+    pricing = _pricing()
+    assert pricing.resident_bytes(0, 0, inflight=3) == 3 * 1100
+    choice = choose_policies(pricing, budget_bytes=3300, inflight=3)
     assert (choice.recompute, choice.offload, choice.added_s) == (0, 0, 0.0)
-    tighter = choose_policies(cost, budget_bytes=3000, inflight=3, flops_per_s=1e12, offload_bytes_per_s=1e3)
+    tighter = choose_policies(pricing, budget_bytes=3000, inflight=3)
     assert tighter.resident_bytes <= 3000 and tighter.recompute + tighter.offload >= 1
 
 
 def test_picks_the_cheaper_mechanism() -> None:
-    cost = _cost()
     # recompute: 0.1 s a block; offload: 2 x 100 bytes at 1 kB/s = 0.2 s a block -> recompute
-    slow_disk = choose_policies(cost, budget_bytes=700, inflight=1, flops_per_s=1e12, offload_bytes_per_s=1e3)
+    slow_disk = choose_policies(_pricing(1e3), budget_bytes=700, inflight=1)
     assert slow_disk.offload == 0 and slow_disk.recompute > 0
     # offload at 1 MB/s: 0.0002 s a block -> offload
-    fast_disk = choose_policies(cost, budget_bytes=700, inflight=1, flops_per_s=1e12, offload_bytes_per_s=1e6)
+    fast_disk = choose_policies(_pricing(1e6), budget_bytes=700, inflight=1)
     assert fast_disk.recompute == 0 and fast_disk.offload > 0
-    for c in (slow_disk, fast_disk):
+    # copies hidden behind 1 s of compute (a GPU's side stream): offloading 4 blocks costs nothing
+    hidden = choose_policies(_pricing(1e3, hidden_s=1.0), budget_bytes=700, inflight=1)
+    assert (hidden.recompute, hidden.offload, hidden.added_s) == (0, 4, 0.0)
+    # a tier that holds 2 blocks' bytes: the rest is recomputed
+    small_tier = choose_policies(_pricing(1e6, tier_bytes=200), budget_bytes=700, inflight=1)
+    assert small_tier.offload == 2 and small_tier.recompute > 0
+    for c in (slow_disk, fast_disk, hidden, small_tier):
         assert c.resident_bytes <= 700 and len(c.policies()) == 10
+    assert choose_policies(_pricing(1e6), budget_bytes=700, inflight=1, offload=False).offload == 0
+
+
+@pytest.mark.parametrize("offload_bytes_per_s", [1e2, 1e3, 2e3, 1e4, 1e6])
+@pytest.mark.parametrize("hidden_s", [0.0, 0.15, 0.5])
+@pytest.mark.parametrize("tier_bytes", [float("inf"), 450.0])
+@pytest.mark.parametrize("inflight", [1, 2, 3])
+def test_the_search_is_exact(offload_bytes_per_s: float, hidden_s: float, tier_bytes: float, inflight: int) -> None:
+    """Against every count: the same least added time, then the fewest bytes, at every budget."""
+    pricing = _pricing(offload_bytes_per_s, hidden_s=hidden_s, tier_bytes=tier_bytes)
+    for budget in range(100 * inflight, 1200 * inflight, 37):
+        want = _brute_force(pricing, budget, inflight)
+        if want is None:
+            with pytest.raises(ValueError, match="no activation policy fits"):
+                choose_policies(pricing, budget_bytes=budget, inflight=inflight)
+            continue
+        got = choose_policies(pricing, budget_bytes=budget, inflight=inflight)
+        assert got.added_s == pytest.approx(want[0]) and got.resident_bytes <= budget, (budget, got, want)
 
 
 def test_nothing_fits_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match=r"no activation policy fits a budget of .* GiB: at least"):
-        choose_policies(_cost(), budget_bytes=50, inflight=2, flops_per_s=1e12, offload_bytes_per_s=1e6)
+        choose_policies(_pricing(1e6), budget_bytes=50, inflight=2)
 
 
 def test_choice_fits_in_the_estimator_and_in_a_real_run(tmp_path) -> None:  # type: ignore[no-untyped-def]
     stage = _stage()
     shapes = {k: (tuple(v.shape), v.dtype) for k, v in _inputs().items()}
     cost = measure_stage_cost(stage, shapes, dtype=torch.float32, seed=3)
-    keep = resident_bytes(cost, 0, 0, inflight=1)
+    pricing = BlockPricing.from_cost(cost, flops_per_s=1e10, offload_bytes_per_s=1e9)
+    keep = pricing.resident_bytes(0, 0, inflight=1)
     budget = int(0.6 * keep)
-    choice = choose_policies(cost, budget_bytes=budget, inflight=1, flops_per_s=1e10, offload_bytes_per_s=1e9)
+    choice = choose_policies(pricing, budget_bytes=budget, inflight=1)
     assert choice.resident_bytes <= budget and choice.offload + choice.recompute > 0
     apply_block_policies(list(stage.module.blocks), choice.policies(), tier=FileTier(tmp_path), min_bytes=0)  # type: ignore[union-attr]
     with count_saved_bytes() as held:
