@@ -137,6 +137,7 @@ def choose_policies(
     least: float | None = None
     for r in range(n + 1):
         most = min(n - r, max_offload_by_tier) if offload else 0
+
         # each offloaded block takes its bytes off every micro-batch in flight: the least count that fits
         def held(o: int, r: int = r) -> float:
             return pricing.resident(r, o, inflight=inflight, fixed_bytes=fixed_bytes)
