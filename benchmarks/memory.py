@@ -10,8 +10,9 @@ policy under the cap, runs it (recompute and/or the file tier) and checks it the
 
 Printed: the longest length that fits each way and their ratio, and the step-time overhead of the
 policy auto needs at its longest length, applied at the longest length keep fits (both run there):
-``t(policy) / t(keep) - 1``, medians of ``--reps`` steps; and the same ratio at auto's longest length,
-where keep-everything runs without the cap (``overhead_at_max_len_auto``). The cap defaults to what keep-everything
+``t(policy) / t(keep) - 1``, medians of ``--reps`` steps after a warm-up one (a run's steps share
+their rank's file tier, whose spill file reaches its size in the first step); and the same ratio at
+auto's longest length, where keep-everything runs without the cap (``overhead_at_max_len_auto``). The cap defaults to what keep-everything
 needs at ``--cap-frames`` latent frames. The last stdout line is one JSON object.
 
     python benchmarks/memory.py              # CPU, file tier, about a minute
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import tempfile
 import time
@@ -57,11 +59,16 @@ def inputs(frames: int) -> dict[str, torch.Tensor]:
     }
 
 
+_TIERS: dict[Path, FileTier] = {}
+
+
 def step(layers: int, heads: int, frames: int, policies: list[BlockPolicy] | None, spill: Path) -> tuple[int, float]:
-    """(resident saved bytes, seconds) of one forward + backward with ``policies`` (None: keep)."""
+    """(resident saved bytes, seconds) of one forward + backward with ``policies`` (None: keep). Steps
+    share one file tier per spill directory, as a run's steps share their rank's."""
     stage = build_stage(layers, heads)
     if policies is not None:
-        apply_block_policies(list(stage.module.blocks), policies, tier=FileTier(spill))  # type: ignore[union-attr]
+        tier = _TIERS.setdefault(spill, FileTier(spill))
+        apply_block_policies(list(stage.module.blocks), policies, tier=tier)  # type: ignore[union-attr]
     start = time.perf_counter()
     with count_saved_bytes() as held:
         loss = stage.forward(stage.module, inputs(frames), seed=0)["loss"]
@@ -87,7 +94,7 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--cap-frames", type=int, default=2, help="the cap: what keep needs at this many frames")
     parser.add_argument("--max-frames", type=int, default=16)
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=5)
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     spill = Path(tempfile.mkdtemp(prefix="mmpipe-bench-spill-"))
@@ -111,11 +118,14 @@ def main() -> None:
             max_auto, chosen[frames] = frames, choice
     assert max_keep >= 1 and max_auto >= max_keep
     policy = chosen[max_auto].policies()
-    keep_t = statistics.median(step(args.layers, args.heads, max_keep, None, spill)[1] for _ in range(args.reps))
-    auto_t = statistics.median(step(args.layers, args.heads, max_keep, policy, spill)[1] for _ in range(args.reps))
+
+    def median_s(frames: int, policies: list[BlockPolicy] | None) -> float:
+        step(args.layers, args.heads, frames, policies, spill)  # warm-up: the spill file grows to size once
+        return statistics.median(step(args.layers, args.heads, frames, policies, spill)[1] for _ in range(args.reps))
+
+    keep_t, auto_t = median_s(max_keep, None), median_s(max_keep, policy)
     # and at auto's longest length against keep-everything run there without the cap
-    long_keep_t = statistics.median(step(args.layers, args.heads, max_auto, None, spill)[1] for _ in range(args.reps))
-    long_auto_t = statistics.median(step(args.layers, args.heads, max_auto, policy, spill)[1] for _ in range(args.reps))
+    long_keep_t, long_auto_t = median_s(max_auto, None), median_s(max_auto, policy)
     tokens = 256  # a latent frame's tokens: (GRID / 2) ** 2
     result = {
         "device": "cpu",
@@ -134,6 +144,9 @@ def main() -> None:
         "overhead": round(auto_t / keep_t - 1, 4),
         "overhead_at_max_len_auto": round(long_auto_t / long_keep_t - 1, 4),  # keep there ignores the cap
     }
+    for tier in _TIERS.values():
+        tier.close()
+    shutil.rmtree(spill, ignore_errors=True)
     print(json.dumps(result))
 
 

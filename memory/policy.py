@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import mmap
 import os
 import queue
 import tempfile
@@ -105,6 +106,7 @@ class FileTier:
         self._lock = threading.Condition()
         self._free: dict[int, list[int]] = defaultdict(list)  # region size -> free offsets
         self._end = 0
+        self._regions = 0  # taken: by handles, or by tensors mapped from them
         self._pending = 0  # bytes handed to the writer and not written yet
         self._queue: queue.SimpleQueue[_Spilled | None] = queue.SimpleQueue()
         self._writer: threading.Thread | None = None
@@ -126,11 +128,12 @@ class FileTier:
             size = -(-max(nbytes, 1) // _ALIGN) * _ALIGN
             free = self._free[size]
             offset = free.pop() if free else self._grow(size)
+            self._regions += 1
             self.stats.offloaded_bytes += nbytes
             self.stats.out_bytes += nbytes
             self.stats.peak_out_bytes = max(self.stats.peak_out_bytes, self.stats.out_bytes)
             self.stats.pack_wait_s += time.perf_counter() - start
-        handle = _Spilled(self, offset, size, data, t.shape, t.dtype, t.device, nbytes)
+        handle = _Spilled(_Region(self, offset, size), data, t.shape, t.dtype, t.device, nbytes)
         if self._writer is None:
             self._writer = threading.Thread(target=self._write_loop, name="mmpipe-spill-writer", daemon=True)
             self._writer.start()
@@ -159,11 +162,22 @@ class FileTier:
             if self._fd is None:
                 raise RuntimeError("this FileTier was closed before the backward read its tensors")
             start = time.perf_counter()
-            raw = torch.empty(handle.nbytes, dtype=torch.uint8)
             if handle.nbytes:
-                _read_exactly(self._fd, memoryview(raw.numpy()), handle.offset)
+                # Mapped, not copied: the pages come from the page cache as the backward touches them
+                # (several times faster than reading into fresh memory). The region stays taken while
+                # the mapping lives; private, so nothing written to the tensor reaches the file.
+                mapped = _Mapping(
+                    self._fd,
+                    handle.nbytes,
+                    flags=mmap.MAP_PRIVATE,
+                    prot=mmap.PROT_READ | mmap.PROT_WRITE,
+                    offset=handle.region.offset,
+                )
+                mapped.region = handle.region
+                data = torch.frombuffer(mapped, dtype=torch.uint8).view(handle.dtype).view(handle.shape)
+            else:
+                data = torch.empty(handle.shape, dtype=handle.dtype)
             self.stats.read_s += time.perf_counter() - start
-            data = raw.view(handle.dtype).view(handle.shape)
         out = data.to(handle.device)
         handle.loaded = weakref.ref(out)
         return out
@@ -177,7 +191,8 @@ class FileTier:
             if not skip and data is not None and handle.nbytes and self._fd is not None and self._error is None:
                 start = time.perf_counter()
                 try:
-                    _write_exactly(self._fd, memoryview(data.reshape(-1).view(torch.uint8).numpy()), handle.offset)
+                    flat: Any = data.reshape(-1).view(torch.uint8).numpy()  # numpy arrays are buffers
+                    _write_exactly(self._fd, memoryview(flat), handle.region.offset)
                 except OSError as err:  # a full disk: the tensor stays in memory, the next pack raises
                     self._error, failed = err, True
                 elapsed = time.perf_counter() - start
@@ -197,13 +212,17 @@ class FileTier:
     def _release(self, handle: _Spilled) -> None:
         with self._lock:
             self.stats.out_bytes -= handle.nbytes
-            self._free[handle.size].append(handle.offset)
+
+    def _release_region(self, region: _Region) -> None:
+        with self._lock:
+            self._regions -= 1
+            self._free[region.size].append(region.offset)
             self._maybe_restart()
 
     def _maybe_restart(self) -> None:
         """Everything came back: later tensors start again from the file's beginning (so tensors of
         changing sizes do not leave it ever longer)."""
-        if self.stats.out_bytes == 0 and self._pending == 0:
+        if self._regions == 0:
             self._free.clear()
             self._end = 0
 
@@ -240,13 +259,21 @@ def _write_exactly(fd: int, view: memoryview, offset: int) -> None:
         done += os.pwrite(fd, view[done:], offset + done)
 
 
-def _read_exactly(fd: int, view: memoryview, offset: int) -> None:
-    done = 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
-        if n == 0:
-            raise OSError(f"the spill file ended at byte {offset + done}: a region was not written")
-        done += n
+class _Region:
+    """A region of the spill file, free again when its last holder (the handle, a tensor mapped
+    from it) lets go."""
+
+    def __init__(self, tier: FileTier, offset: int, size: int) -> None:
+        self.tier, self.offset, self.size = tier, offset, size
+
+    def __del__(self) -> None:
+        self.tier._release_region(self)
+
+
+class _Mapping(mmap.mmap):
+    """A region mapped for the backward (``torch.frombuffer`` keeps it alive with the tensor)."""
+
+    region: _Region
 
 
 class _Spilled:
@@ -256,16 +283,14 @@ class _Spilled:
 
     def __init__(
         self,
-        tier: FileTier,
-        offset: int,
-        size: int,
+        region: _Region,
         data: torch.Tensor,
         shape: torch.Size,
         dtype: torch.dtype,
         device: torch.device,
         nbytes: int,
     ) -> None:
-        self.tier, self.offset, self.size, self.nbytes = tier, offset, size, nbytes
+        self.tier, self.region, self.nbytes = region.tier, region, nbytes
         self.shape, self.dtype, self.device = shape, dtype, device
         self.data: torch.Tensor | None = data  # the bytes until written (or for good, once kept)
         self.written = False

@@ -59,13 +59,32 @@ def test_regions_are_reused_so_the_file_does_not_grow_step_after_step() -> None:
     assert sizes[0] > 0 and len(set(sizes)) == 1, sizes
     # regions of freed tensors serve later ones of the same size while others are still out
     a, b = tier.pack(torch.ones(1000)), tier.pack(torch.ones(1000))
-    offset = a.offset
+    offset = a.region.offset
     tier.flush()  # (the writer holds a handle until it is written)
     del a
     c = tier.pack(torch.zeros(1000))
-    assert c.offset == offset and b.offset != offset
+    assert c.region.offset == offset and b.region.offset != offset
     tier.flush()
     assert torch.equal(tier.unpack(b), torch.ones(1000)) and torch.equal(tier.unpack(c), torch.zeros(1000))
+    tier.close()
+
+
+def test_a_tensor_read_back_keeps_its_region_until_it_dies() -> None:
+    """Read back tensors map the file: a later tensor must not be written over one still in use."""
+    tier = FileTier()
+    h = tier.pack(torch.full((2048,), 1.0))
+    tier.flush()
+    got = tier.unpack(h)
+    taken = h.region.offset
+    del h  # autograd is done with the handle; the tensor lives on (e.g. a gradient aliases it)
+    later = tier.pack(torch.full((2048,), 2.0))
+    tier.flush()
+    assert later.region.offset != taken and torch.equal(got, torch.full((2048,), 1.0))
+    got.add_(1.0)  # private: writes to the tensor do not reach the file
+    assert torch.equal(tier.unpack(later), torch.full((2048,), 2.0))
+    del got, later
+    assert tier._regions == 0  # everything free: the next tensor starts at the file's beginning
+    assert tier.pack(torch.ones(3)).region.offset == 0
     tier.close()
 
 
