@@ -94,11 +94,14 @@ class FileTier:
     """Saved tensors as raw bytes in one spill file under ``directory`` (a fresh temporary one by
     default), written by a background thread (see the module docstring)."""
 
-    def __init__(self, directory: str | Path | None = None, *, max_pending_bytes: int = 256 << 20) -> None:
+    def __init__(
+        self, directory: str | Path | None = None, *, max_pending_bytes: int = 256 << 20, batch_bytes: int = 8 << 20
+    ) -> None:
         self._own = directory is None
         self.directory = Path(tempfile.mkdtemp(prefix="mmpipe-spill-") if directory is None else directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.max_pending_bytes = max_pending_bytes
+        self.batch_bytes = batch_bytes
         self.stats = TierStats()
         path = self.directory / f"{os.getpid()}-{id(self):x}.spill"
         self._fd: int | None = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -108,7 +111,11 @@ class FileTier:
         self._end = 0
         self._regions = 0  # taken: by handles, or by tensors mapped from them
         self._pending = 0  # bytes handed to the writer and not written yet
-        self._queue: queue.SimpleQueue[_Spilled | None] = queue.SimpleQueue()
+        # Tensors go to the writer in batches of about ``batch_bytes`` (and at each block's end): one
+        # hand-off per tensor costs the forward more in thread switches than the batching delays.
+        self._batch: list[_Spilled] = []
+        self._batched = 0
+        self._queue: queue.SimpleQueue[list[_Spilled] | None] = queue.SimpleQueue()
         self._writer: threading.Thread | None = None
         self._error: OSError | None = None  # the writer's, raised by the next pack or flush
 
@@ -118,10 +125,15 @@ class FileTier:
         if self._fd is None:
             raise RuntimeError("this FileTier is closed")
         self._raise_write_error()
-        data = t.detach().contiguous().cpu()
+        data = t.detach()
+        if not _is_dense(data):  # an expanded or strided view: its elements, gathered
+            data = data.contiguous()
+        data = data.cpu()  # a dense layout (a transposed q, k or v) goes out as it is, no copy
         nbytes = data.numel() * data.element_size()
         start = time.perf_counter()
         with self._lock:
+            if self._pending + nbytes > self.max_pending_bytes:
+                self.submit()  # what the writer is to catch up with must reach it first
             while self._pending and self._pending + nbytes > self.max_pending_bytes:
                 self._lock.wait()
             self._pending += nbytes
@@ -133,12 +145,22 @@ class FileTier:
             self.stats.out_bytes += nbytes
             self.stats.peak_out_bytes = max(self.stats.peak_out_bytes, self.stats.out_bytes)
             self.stats.pack_wait_s += time.perf_counter() - start
-        handle = _Spilled(_Region(self, offset, size), data, t.shape, t.dtype, t.device, nbytes)
+        handle = _Spilled(_Region(self, offset, size), data, data.stride(), t.device, nbytes)
+        self._batch.append(handle)
+        self._batched += nbytes
+        if self._batched >= self.batch_bytes:
+            self.submit()
+        return handle
+
+    def submit(self) -> None:
+        """Hand the tensors packed since the last hand-off to the writer (a block's end does)."""
+        if not self._batch:
+            return
         if self._writer is None:
             self._writer = threading.Thread(target=self._write_loop, name="mmpipe-spill-writer", daemon=True)
             self._writer.start()
-        self._queue.put(handle)
-        return handle
+        batch, self._batch, self._batched = self._batch, [], 0
+        self._queue.put(batch)
 
     def _grow(self, size: int) -> int:
         offset, self._end = self._end, self._end + size
@@ -174,9 +196,10 @@ class FileTier:
                     offset=handle.region.offset,
                 )
                 mapped.region = handle.region
-                data = torch.frombuffer(mapped, dtype=torch.uint8).view(handle.dtype).view(handle.shape)
+                flat = torch.frombuffer(mapped, dtype=torch.uint8).view(handle.dtype)
+                data = flat.as_strided(handle.shape, handle.stride)
             else:
-                data = torch.empty(handle.shape, dtype=handle.dtype)
+                data = torch.empty_strided(handle.shape, handle.stride, dtype=handle.dtype)
             self.stats.read_s += time.perf_counter() - start
         out = data.to(handle.device)
         handle.loaded = weakref.ref(out)
@@ -184,30 +207,34 @@ class FileTier:
 
     # -- the writer ----------------------------------------------------------------------------------
     def _write_loop(self) -> None:
-        while (handle := self._queue.get()) is not None:
-            with self._lock:
-                data, skip = handle.data, handle.keep
-            elapsed, failed = 0.0, False
-            if not skip and data is not None and handle.nbytes and self._fd is not None and self._error is None:
-                start = time.perf_counter()
-                try:
-                    flat: Any = data.reshape(-1).view(torch.uint8).numpy()  # numpy arrays are buffers
-                    _write_exactly(self._fd, memoryview(flat), handle.region.offset)
-                except OSError as err:  # a full disk: the tensor stays in memory, the next pack raises
-                    self._error, failed = err, True
-                elapsed = time.perf_counter() - start
-            nbytes = handle.nbytes
-            with self._lock:
-                self.stats.write_s += elapsed
-                handle.written = True
-                handle.keep = handle.keep or failed or self._error is not None
-                if not handle.keep:
-                    handle.data = None  # its memory goes now
-            del handle, data  # before anyone is told: a handle nobody else holds frees its region here
-            with self._lock:
-                self._pending -= nbytes
-                self._maybe_restart()
-                self._lock.notify_all()
+        while (batch := self._queue.get()) is not None:
+            batch.reverse()
+            while batch:
+                handle = batch.pop()
+                with self._lock:
+                    data, skip = handle.data, handle.keep
+                elapsed, failed = 0.0, False
+                flat: Any = None  # numpy arrays are buffers
+                if not skip and data is not None and handle.nbytes and self._fd is not None and self._error is None:
+                    start = time.perf_counter()
+                    try:
+                        flat = _span(data).view(torch.uint8).numpy()
+                        _write_exactly(self._fd, memoryview(flat), handle.region.offset)
+                    except OSError as err:  # a full disk: the tensor stays in memory, the next pack raises
+                        self._error, failed = err, True
+                    elapsed = time.perf_counter() - start
+                nbytes = handle.nbytes
+                with self._lock:
+                    self.stats.write_s += elapsed
+                    handle.written = True
+                    handle.keep = handle.keep or failed or self._error is not None
+                    if not handle.keep:
+                        handle.data = None  # its memory goes now
+                del handle, data, flat  # before anyone is told: a handle nobody else holds frees its region
+                with self._lock:
+                    self._pending -= nbytes
+                    self._maybe_restart()
+                    self._lock.notify_all()
 
     def _release(self, handle: _Spilled) -> None:
         with self._lock:
@@ -227,7 +254,8 @@ class FileTier:
             self._end = 0
 
     def flush(self) -> None:
-        """Wait until every tensor handed to the writer is written."""
+        """Wait until every tensor packed so far is written."""
+        self.submit()
         with self._lock:
             while self._pending:
                 self._lock.wait()
@@ -242,6 +270,7 @@ class FileTier:
 
     def close(self) -> None:
         """Stop the writer, close the spill file and remove the directory if this tier made it."""
+        self._batch, self._batched = [], 0
         if self._writer is not None:
             self._queue.put(None)
             self._writer.join()
@@ -251,6 +280,18 @@ class FileTier:
             self._fd = None
         if self._own:
             self.directory.rmdir()
+
+
+def _is_dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill its storage span exactly once (a permutation of a contiguous
+    layout: transposes, not expansions or slices)."""
+    order = sorted(range(t.dim()), key=lambda d: -t.stride()[d])
+    return t.permute(order).is_contiguous()
+
+
+def _span(t: torch.Tensor) -> torch.Tensor:
+    """A dense tensor's storage span, as a 1-D tensor (its bytes in memory order)."""
+    return t.as_strided((t.numel(),), (1,), t.storage_offset())
 
 
 def _write_exactly(fd: int, view: memoryview, offset: int) -> None:
@@ -285,13 +326,12 @@ class _Spilled:
         self,
         region: _Region,
         data: torch.Tensor,
-        shape: torch.Size,
-        dtype: torch.dtype,
+        stride: tuple[int, ...],
         device: torch.device,
         nbytes: int,
     ) -> None:
         self.tier, self.region, self.nbytes = region.tier, region, nbytes
-        self.shape, self.dtype, self.device = shape, dtype, device
+        self.shape, self.stride, self.dtype, self.device = data.shape, stride, data.dtype, device
         self.data: torch.Tensor | None = data  # the bytes until written (or for good, once kept)
         self.written = False
         self.keep = False  # the backward took ``data`` before it was written
@@ -322,7 +362,10 @@ def offload_saved_tensors(tier: FileTier, *, min_bytes: int = 1 << 16) -> Iterat
         return packed if isinstance(packed, torch.Tensor) else tier.unpack(packed)
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        yield
+        try:
+            yield
+        finally:
+            tier.submit()  # the block's tensors go out while the next block runs
 
 
 def _offloaded(forward: Callable[..., Any], tier: FileTier, min_bytes: int) -> Callable[..., Any]:

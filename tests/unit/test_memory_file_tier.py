@@ -19,8 +19,11 @@ def _tensors() -> list[torch.Tensor]:
     x = torch.randn(6, 5, 4, generator=gen)
     return [
         x,
-        x.transpose(0, 2),  # not contiguous
-        x[:, 1],  # a strided view
+        x.transpose(0, 2),  # not contiguous, dense: goes out as it is
+        x.transpose(0, 2)[..., 1:],  # dense, from an offset into its storage
+        x[2:],  # contiguous, from an offset
+        x[:, 1],  # a strided view: gathered
+        x[:1].expand(3, 5, 4),  # an expanded one: gathered
         torch.randn((), generator=gen, dtype=torch.float64),  # 0-dim
         torch.empty(0, 3),
         torch.randint(-100, 100, (7, 3), generator=gen, dtype=torch.int64),
@@ -39,6 +42,10 @@ def test_every_tensor_comes_back_bitwise_and_the_file_is_gone(tmp_path: Path) ->
     for t, h in zip(tensors, handles, strict=True):
         got = tier.unpack(h)
         assert got.shape == t.shape and got.dtype == t.dtype and torch.equal(got, t)
+        if policy._is_dense(t):  # the layout the op saved comes back (its backward may rely on it)
+            assert got.stride() == t.stride()
+        else:
+            assert got.is_contiguous()
     assert tier.stats.returned_bytes == tier.stats.offloaded_bytes == sum(t.numel() * t.element_size() for t in tensors)
     del handles, got, h
     assert tier.stats.out_bytes == 0
