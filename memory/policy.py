@@ -8,8 +8,13 @@ saved tensor of at least ``min_bytes`` that is not a parameter to a tier and bri
 backward needs it. Both work with several micro-batches in flight: each saved tensor owns its
 handle, whatever the order the backwards run in.
 
-Tiers:
+Tiers (:class:`Tier`: ``pack`` a tensor into a handle, ``unpack`` it back, ``prefetch`` handles the
+backward will soon need):
 
+- :class:`~mmpipe.memory.host.HostTier`: pinned host memory, for GPU runs. Copies to the host run on
+  a side stream (the forward does not wait for them), and when the backward reaches an offloaded
+  block it starts copying back the tensors of the block that ran before it, so they arrive while
+  this block's backward computes.
 - :class:`FileTier`: a spill file (for NVMe, and on CPU-only machines the tier that actually
   lowers resident memory). One file per tier, opened and unlinked at once (nothing is left behind,
   even by a killed process); a tensor takes a region of it, and regions are reused by later tensors
@@ -17,7 +22,8 @@ Tiers:
   tensors of the next step or micro-batch have the same sizes). A background thread writes, so the
   forward goes on while its saved tensors go out; the tensor stays referenced until its bytes are
   written (at most ``max_pending_bytes`` of them: beyond that the forward waits), and a backward
-  that needs a tensor still waiting to be written takes it as it is.
+  that needs a tensor still waiting to be written takes it as it is. Its reads are mappings the
+  backward faults in as it touches them, so it has nothing to prefetch.
 
 Counters (:class:`TierStats`) report the bytes offloaded, the bytes currently out and the seconds
 spent writing (the writer thread's), reading (the backward waits on them) and waiting for the writer
@@ -74,23 +80,82 @@ def is_parameter(t: torch.Tensor) -> bool:
 @dataclasses.dataclass
 class TierStats:
     """What a tier moved: bytes handed out in all, bytes out now (and at most), bytes given back to
-    the backward (read from the file, or taken before they were written), seconds spent writing (in
-    the background), reading, and the forward's waits on the writer."""
+    the backward (read from the file, taken before they were written, or prefetched), seconds spent
+    writing (in the background), reading, and the forward's waits on the writer."""
 
     offloaded_bytes: int = 0
     out_bytes: int = 0
     peak_out_bytes: int = 0
     returned_bytes: int = 0
     unwritten_bytes: int = 0  # of returned_bytes: taken before the writer wrote them
+    prefetched_bytes: int = 0  # of returned_bytes: on their way back before the backward asked for them
     write_s: float = 0.0
     read_s: float = 0.0
     pack_wait_s: float = 0.0
 
 
+class Tier:
+    """Where offloaded saved tensors go: :meth:`pack` takes a tensor and returns a handle,
+    :meth:`unpack` gives the tensor back for the backward. Subclasses keep :attr:`stats`.
+
+    The tier also tracks the offloaded blocks of a forward (:meth:`open_scope`), so that the
+    backward of one block can :meth:`prefetch` what the block before it saved."""
+
+    stats: TierStats
+
+    def pack(self, t: torch.Tensor) -> Any:
+        """Move ``t`` out; returns the handle :meth:`unpack` takes."""
+        raise NotImplementedError
+
+    def unpack(self, handle: Any) -> torch.Tensor:
+        """The tensor ``handle`` stands for, on its device, bitwise as packed."""
+        raise NotImplementedError
+
+    def prefetch(self, handles: Sequence[Any]) -> None:
+        """Start bringing ``handles`` back ahead of their :meth:`unpack` (by default: nothing to do)."""
+
+    def share(self, handle: Any) -> None:
+        """Another op of the block saves the tensor ``handle`` holds: it will be unpacked once more."""
+
+    def submit(self) -> None:
+        """A block's forward ended: what it packed may go out now (by default it went at once)."""
+
+    def flush(self) -> None:
+        """Wait until everything packed so far is out."""
+
+    def close(self) -> None:
+        """Release what the tier holds (files, buffers, threads)."""
+
+    def open_scope(self, block: int | None) -> _BlockScope:
+        """A new offloaded block's forward: its scope, linked to the previous one when that ran
+        earlier in the same forward (a lower block index), since its backward runs next."""
+        last = self.__dict__.get("_last_scope")
+        previous = last() if last is not None else None
+        if previous is None or block is None or previous.block is None or previous.block >= block:
+            previous = None
+        scope = _BlockScope(block, previous)
+        self._last_scope = weakref.ref(scope)
+        return scope
+
+
+class _BlockScope:
+    """One offloaded block's forward: weak references to its handles (autograd owns them), and the
+    scope of the offloaded block that ran before it in the same forward."""
+
+    def __init__(self, block: int | None, previous: _BlockScope | None) -> None:
+        self.block, self.previous = block, previous
+        self.handles: list[weakref.ref[Any]] = []
+        self.started = False  # its backward asked for a first tensor
+
+    def live(self) -> list[Any]:
+        """The handles whose saved tensors the backward has not dropped yet."""
+        return [h for ref in self.handles if (h := ref()) is not None]
+
+
 _ALIGN = 4096  # regions start on page boundaries
 
 
-class FileTier:
+class FileTier(Tier):
     """Saved tensors as raw bytes in one spill file under ``directory`` (a fresh temporary one by
     default), written by a background thread (see the module docstring)."""
 
@@ -342,24 +407,38 @@ class _Spilled:
 
 
 @contextmanager
-def offload_saved_tensors(tier: FileTier, *, min_bytes: int = 1 << 16) -> Iterator[None]:
+def offload_saved_tensors(tier: Tier, *, min_bytes: int = 1 << 16, block: int | None = None) -> Iterator[None]:
     """Within the block, tensors autograd saves move to ``tier``, except parameters (they stay
     resident anyway) and tensors under ``min_bytes``. A tensor several ops save (a block's input to
-    its query, key and value projections) goes out once: they share its handle."""
-    written: dict[int, tuple[weakref.ref[torch.Tensor], _Spilled]] = {}  # id -> (the tensor, its handle)
+    its query, key and value projections) goes out once: they share its handle.
+
+    ``block``: the block's index in its stack. When the backward first asks this block for a tensor,
+    the tier prefetches the rest of the block's tensors and those of the offloaded block that ran
+    before it in the same forward (a lower index), whose backward comes next."""
+    written: dict[int, tuple[weakref.ref[torch.Tensor], Any]] = {}  # id -> (the tensor, its handle)
+    scope = tier.open_scope(block)
 
     def pack(t: torch.Tensor) -> Any:
         if is_parameter(t) or t.numel() * t.element_size() < min_bytes:
             return t
         hit = written.get(id(t))
         if hit is not None and hit[0]() is t:  # the same live tensor (an id alone may be reused)
+            tier.share(hit[1])
             return hit[1]
         handle = tier.pack(t)
         written[id(t)] = (weakref.ref(t), handle)
+        scope.handles.append(weakref.ref(handle))
         return handle
 
     def unpack(packed: Any) -> torch.Tensor:
-        return packed if isinstance(packed, torch.Tensor) else tier.unpack(packed)
+        if isinstance(packed, torch.Tensor):
+            return packed
+        if not scope.started:
+            scope.started = True
+            tier.prefetch(scope.live())
+            if scope.previous is not None:
+                tier.prefetch(scope.previous.live())
+        return tier.unpack(packed)
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         try:
@@ -368,10 +447,10 @@ def offload_saved_tensors(tier: FileTier, *, min_bytes: int = 1 << 16) -> Iterat
             tier.submit()  # the block's tensors go out while the next block runs
 
 
-def _offloaded(forward: Callable[..., Any], tier: FileTier, min_bytes: int) -> Callable[..., Any]:
+def _offloaded(forward: Callable[..., Any], tier: Tier, min_bytes: int, block: int) -> Callable[..., Any]:
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
-        with offload_saved_tensors(tier, min_bytes=min_bytes):
+        with offload_saved_tensors(tier, min_bytes=min_bytes, block=block):
             return forward(*args, **kwargs)
 
     return run
@@ -420,13 +499,14 @@ def apply_block_policies(
     blocks: Sequence[nn.Module],
     policies: Sequence[BlockPolicy],
     *,
-    tier: FileTier | None = None,
+    tier: Tier | None = None,
     min_bytes: int = 1 << 16,
 ) -> None:
-    """Wrap each block's ``forward`` with its policy (in place). ``offload`` needs a ``tier``."""
+    """Wrap each block's ``forward`` with its policy (in place). ``offload`` needs a ``tier``
+    (:class:`FileTier` on CPU, :class:`~mmpipe.memory.host.HostTier` on GPU)."""
     if len(blocks) != len(policies):
         raise ValueError(f"{len(policies)} block policies given for {len(blocks)} blocks")
-    for block, policy in zip(blocks, policies, strict=True):
+    for index, (block, policy) in enumerate(zip(blocks, policies, strict=True)):
         match policy:
             case BlockPolicy.KEEP:
                 continue
@@ -436,8 +516,8 @@ def apply_block_policies(
                 block.forward = _recomputed(block.forward, selective=True)  # type: ignore[method-assign]
             case BlockPolicy.OFFLOAD:
                 if tier is None:
-                    raise ValueError("an offload policy needs a tier (e.g. FileTier(spill_dir))")
-                block.forward = _offloaded(block.forward, tier, min_bytes)  # type: ignore[method-assign]
+                    raise ValueError("an offload policy needs a tier (FileTier(spill_dir) on CPU, HostTier() on GPU)")
+                block.forward = _offloaded(block.forward, tier, min_bytes, index)  # type: ignore[method-assign]
             case _:
                 raise ValueError(f"unknown block policy {policy!r}")
 

@@ -30,7 +30,8 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from mmpipe.graph import INPUT, Edge, Graph
 from mmpipe.kernels import registry as kernels
-from mmpipe.memory.policy import BLOCK_LETTERS, BlockPolicy, FileTier, apply_block_policies, block_policies
+from mmpipe.memory.host import HostTier
+from mmpipe.memory.policy import BLOCK_LETTERS, BlockPolicy, FileTier, Tier, apply_block_policies, block_policies
 from mmpipe.parallel.sequence import SequenceLayout
 from mmpipe.runtime.events import EventRecorder
 from mmpipe.runtime.mesh import MeshOwner
@@ -71,8 +72,8 @@ class Executor:
         spill_dir: Path | None = None,
     ) -> None:
         self.graph, self.plan, self.mesh, self.rank = graph, plan, mesh, mesh.rank
-        self.spill_dir = spill_dir  # where offloaded activations go (a file tier per rank)
-        self.spill: FileTier | None = None
+        self.spill_dir = spill_dir  # where offloaded activations go on CPU (a file tier per rank)
+        self.spill: Tier | None = None  # this rank's offload tier, made by the first stage that offloads
         self.groups = plan.groups
         self.batch_size = batch_size
         self.events = events
@@ -119,7 +120,8 @@ class Executor:
 
     def _apply_memory_policy(self, stage: str, module: nn.Module) -> None:
         """The group's recompute / offload fractions of the stage's repeated blocks (see
-        ``mmpipe.memory.policy.block_policies``), offloading to this rank's spill directory."""
+        ``mmpipe.memory.policy.block_policies``), offloading to pinned host memory on GPU, to this
+        rank's spill directory on CPU."""
         group = self.groups[stage]
         blocks = repeated_blocks(module)
         if not blocks:
@@ -135,14 +137,13 @@ class Executor:
             policies = block_policies(len(blocks), group.recompute, group.offload)
         tier = None
         if BlockPolicy.OFFLOAD in policies:
-            if any(p.is_cuda for p in module.parameters()):
-                raise PlanError(f"stage {stage!r}: offload to pinned host memory (the GPU tier) is not built yet")
-            tier = self._spill_tier()
+            tier = self._offload_tier(cuda=any(p.is_cuda for p in module.parameters()))
         apply_block_policies(blocks, policies, tier=tier)
 
-    def _spill_tier(self) -> FileTier:
+    def _offload_tier(self, *, cuda: bool) -> Tier:
         if self.spill is None:
-            self.spill = FileTier(self.spill_dir / f"rank{self.rank}" if self.spill_dir is not None else None)
+            spill_dir = self.spill_dir / f"rank{self.rank}" if self.spill_dir is not None else None
+            self.spill = HostTier() if cuda else FileTier(spill_dir)
         return self.spill
 
     # ---- who holds and who needs which part of an edge tensor ------------------------------------
@@ -217,7 +218,7 @@ class Executor:
                 ) from err
             if self.events is not None:
                 extra = {}
-                if tier is not None and self.spill is not None:  # what the file tier did in this action
+                if tier is not None and self.spill is not None:  # what the offload tier did in this action
                     now = self.spill.stats
                     extra = {
                         "offloaded_bytes": now.offloaded_bytes - tier.offloaded_bytes,
