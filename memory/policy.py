@@ -32,6 +32,7 @@ spent writing (the writer thread's), reading (the backward waits on them) and wa
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import functools
@@ -224,6 +225,8 @@ class FileTier(Tier):
         if self._writer is None:
             self._writer = threading.Thread(target=self._write_loop, name="mmpipe-spill-writer", daemon=True)
             self._writer.start()
+            # At interpreter exit the writer is stopped between tensors, not killed inside a torch op
+            self._stop_writer = weakref.finalize(self, _stop_thread, self._queue, self._writer)
         batch, self._batch, self._batched = self._batch, [], 0
         self._queue.put(batch)
 
@@ -272,6 +275,10 @@ class FileTier(Tier):
 
     # -- the writer ----------------------------------------------------------------------------------
     def _write_loop(self) -> None:
+        # The writer runs at the lowest priority: the step's compute threads get the cores, and the
+        # writer fills the gaps between their ops (on 2 cores: +22 % a step at 512 tokens, not +28 %).
+        with contextlib.suppress(OSError, AttributeError):  # (per-thread nice: Linux)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         while (batch := self._queue.get()) is not None:
             batch.reverse()
             while batch:
@@ -337,14 +344,18 @@ class FileTier(Tier):
         """Stop the writer, close the spill file and remove the directory if this tier made it."""
         self._batch, self._batched = [], 0
         if self._writer is not None:
-            self._queue.put(None)
-            self._writer.join()
+            self._stop_writer()
             self._writer = None
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
         if self._own:
             self.directory.rmdir()
+
+
+def _stop_thread(work: queue.SimpleQueue[Any], thread: threading.Thread) -> None:
+    work.put(None)
+    thread.join()
 
 
 def _is_dense(t: torch.Tensor) -> bool:
