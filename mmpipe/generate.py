@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shutil
 from pathlib import Path
 
 import torch
@@ -13,6 +14,7 @@ from mmpipe.data import frames_to_uint8, write_gif, write_mp4
 from mmpipe.kernels import registry as kernels
 from mmpipe.kernels.wan import use_kernels
 from mmpipe.pipelines import T2VGraph, from_diffusers
+from mmpipe.report.recording import record_generation
 from mmpipe.train import kernel_choice, load_run_config, pipeline_dir
 
 
@@ -34,12 +36,19 @@ def apply_kernels(graph: T2VGraph, choice: kernels.KernelChoice) -> None:
 
 
 def generate(cfg: GenerateConfig) -> dict[str, Path]:
-    """Render ``cfg.prompt`` with the trained run ``cfg.ckpt``; returns the written files."""
+    """Render ``cfg.prompt`` with the trained run ``cfg.ckpt``; returns the written files: the GIF,
+    the MP4 and the generation's own run directory (its events, memory samples and trace, which
+    ``mmpipe report`` reads)."""
     assert cfg.ckpt is not None  # GenerateConfig.__post_init__ requires it
     run_dir = Path(cfg.ckpt)
     data = load_run_config(run_dir).data
     graph = load_trained_graph(run_dir)
-    with torch.no_grad():
+    out_dir = Path(cfg.out) if cfg.out else run_dir / "samples"
+    stem = f"{_slug(cfg.prompt)}-seed{cfg.seed}"
+    record_dir = out_dir / f"{stem}-run"
+    if record_dir.exists():  # a new recording, not appended to the last one's events
+        shutil.rmtree(record_dir)
+    with torch.no_grad(), record_generation(graph, record_dir, per_call=("denoise",)):
         video = graph.generate(
             cfg.prompt,
             cfg.negative_prompt,
@@ -51,12 +60,10 @@ def generate(cfg: GenerateConfig) -> dict[str, Path]:
             seed=cfg.seed,
         )
     frames = frames_to_uint8(video[0])
-    out_dir = Path(cfg.out) if cfg.out else run_dir / "samples"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"{_slug(cfg.prompt)}-seed{cfg.seed}"
     return {
         "gif": write_gif(frames, out_dir / f"{stem}.gif", fps=cfg.fps),
         "mp4": write_mp4(frames, out_dir / f"{stem}.mp4", fps=cfg.fps),
+        "run": record_dir,
     }
 
 

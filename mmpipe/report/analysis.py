@@ -122,9 +122,13 @@ class Window:
 
 def main_phase(events: Iterable[Mapping[str, Any]]) -> str:
     """The phase the figures are about: ``train`` for a training run (validation passes are excluded),
-    else ``serve`` for a serving run (``mmpipe serve``: one window over all of it)."""
+    else ``serve`` for a serving run (``mmpipe serve``) or ``generate`` for ``mmpipe generate`` (one
+    window over all of either)."""
     phases = {e["phase"] for e in events}
-    return "train" if "train" in phases or "serve" not in phases else "serve"
+    for phase in ("train", "serve", "generate"):
+        if phase in phases:
+            return phase
+    return "train"
 
 
 def steady_window(events: Iterable[Mapping[str, Any]]) -> Window | None:
@@ -371,6 +375,12 @@ def summarize(run: Run, *, predict: bool = True) -> Summary:
             f"serving run (mmpipe serve): one window over all of it, {window.wall:.3f} s, in which "
             f"{served} requests finished ({served / max(window.wall, 1e-9):.3g}/s); "
             "'step time' is that window's length"
+        )
+    elif main_phase(run.events) == "generate" and window is not None:
+        steps = sum(1 for e in run.events if e["stage"] == "denoise")
+        notes.append(
+            f"generation run (mmpipe generate): {window.wall:.3f} s for one video, {steps} denoiser calls; "
+            "'step time' is the whole generation"
         )
     elif cfg is None:
         notes.append("no config.yaml: throughput, MFU and the prediction need the run's config")

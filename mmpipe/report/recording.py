@@ -1,5 +1,7 @@
 """What a training rank records for the dashboard, besides its action events: memory samples, a
-``torch.profiler`` window, and the merged all-ranks Chrome / Perfetto trace of the DAG timeline.
+``torch.profiler`` window, and the merged all-ranks Chrome / Perfetto trace of the DAG timeline;
+and what ``mmpipe generate`` records (:func:`record_generation`: an event per stage call and per
+denoiser call, memory samples, the trace), so that every run can be reported.
 
 - ``RUN_DIR/memory/rank<R>.jsonl``: one record every :data:`MEMORY_INTERVAL_S` seconds (and one at
   the end), ``{"rank", "time", "step", "rss", "rss_peak"}`` in bytes, plus ``cuda_allocated``,
@@ -25,7 +27,8 @@ import resource
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -148,8 +151,63 @@ def _leak_results(prof: torch.profiler.profile) -> None:
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(result))
 
 
+# ---- a generation run ----------------------------------------------------------------------------
+@contextmanager
+def record_generation(graph: Any, run_dir: Path, *, per_call: tuple[str, ...] = ()) -> Iterator[Path]:
+    """Record what ``graph`` runs inside the block as a one-rank run in ``run_dir`` (phase
+    ``generate``): an ``F`` event per stage call (``mb``: the call's number), except for the stages
+    in ``per_call``, whose every module call is an event (the denoiser: one per sampling step and
+    guidance branch); memory samples; ``trace.json`` at the end. Stages are wrapped, not changed:
+    their ``forward`` is restored on exit."""
+    from mmpipe.runtime.events import EventRecorder
+    from mmpipe.sched.plan import Action, ActionKind
+
+    recorder = EventRecorder(run_dir, 0)
+    recorder.phase = "generate"
+    memory = MemorySampler(run_dir, 0, lambda: 0)
+    calls: dict[str, int] = defaultdict(int)
+
+    def record(stage: str, start: float) -> None:
+        recorder.record(Action(stage, ActionKind.F, calls[stage]), start, time.perf_counter(), 0)
+        calls[stage] += 1
+
+    def timed(stage: str, forward: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                record(stage, start)
+
+        return run
+
+    wrapped: list[tuple[Any, Any]] = []  # (stage, the forward it had as an instance attribute)
+    hooks = []
+    for name, stage in graph.stages.items():
+        if name in per_call:
+            started: list[float] = []
+            hooks.append(stage.module.register_forward_pre_hook(lambda m, a, s=started: s.append(time.perf_counter())))
+            hooks.append(stage.module.register_forward_hook(lambda m, a, o, n=name, s=started: record(n, s.pop())))
+        else:
+            wrapped.append((stage, stage.__dict__.get("forward")))
+            stage.forward = timed(name, stage.forward)
+    try:
+        yield run_dir
+    finally:
+        for stage, own in wrapped:
+            if own is None:
+                del stage.forward  # the class's method again
+            else:
+                stage.forward = own
+        for hook in hooks:
+            hook.remove()
+        recorder.close()
+        memory.close()
+        write_chrome_trace(run_dir)
+
+
 # ---- the merged Chrome / Perfetto trace ----------------------------------------------------------
-_PHASE_TID = {"train": 0, "val": 1, "serve": 0}
+_PHASE_TID = {"train": 0, "val": 1, "serve": 0, "generate": 0}
 
 
 def chrome_trace(events: list[dict[str, Any]], memory: list[dict[str, Any]] | None = None) -> dict[str, Any]:

@@ -5,11 +5,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from mmpipe.data import read_video
+from mmpipe.runtime.events import read_events
 
 SMALL = [
     "data.frames=9",
@@ -41,6 +43,20 @@ def test_train_then_generate(tmp_path: Path) -> None:
     assert f"gif: {gif}" in res.stdout and f"mp4: {mp4}" in res.stdout
     assert read_video(mp4).shape == (9, 32, 32, 3)
     assert read_video(gif).shape[1:] == (32, 32, 3)
+    # the generation is a run of its own: one event per stage call and per denoiser call (2 steps,
+    # guidance on: 2 branches each), memory samples and the trace, which `mmpipe report` reads
+    record = run / "samples" / "a-green-square-moving-up-seed3-run"
+    assert f"run: {record}" in res.stdout
+    events = read_events(record)
+    calls = Counter(e["stage"] for e in events)
+    assert {e["phase"] for e in events} == {"generate"} and {e["kind"] for e in events} == {"F"}
+    assert calls["denoise"] == 4 and calls["decode"] == 1 and calls["text"] >= 1, calls
+    assert all(e["end"] >= e["start"] for e in events) and (record / "memory" / "rank0.jsonl").is_file()
+    assert (record / "trace.json").is_file()
+    res = mmpipe("report", str(record), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    html = (record / "report.html").read_text()
+    assert "generation run (mmpipe generate)" in html and "denoise" in html
 
 
 def test_qwen_text_encoder_preset_trains(tmp_path: Path) -> None:
