@@ -222,7 +222,9 @@ def rank_shares(events: list[dict[str, Any]], window: Window) -> dict[int, TimeS
         elif e["kind"] in TRANSFER:
             a["comm"] += t
     ranks = sorted({e["rank"] for e in events})
-    return {r: TimeShare(wall=window.wall, **acc[r]) for r in ranks}
+    # (every field read: a rank with no transfers, a one-rank run, has no "comm" entry)
+    fields = ("compute", "comm", "frozen", "trainable")
+    return {r: TimeShare(window.wall, *(acc[r][f] for f in fields)) for r in ranks}
 
 
 def stage_shares(events: list[dict[str, Any]], window: Window) -> dict[str, tuple[tuple[int, ...], TimeShare]]:

@@ -6,12 +6,13 @@ from __future__ import annotations
 import os
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 import mmpipe.memory.policy as policy
-from mmpipe.memory.policy import FileTier
+from mmpipe.memory.policy import FileTier, Tier
 
 
 def _tensors() -> list[torch.Tensor]:
@@ -39,15 +40,23 @@ def test_every_tensor_comes_back_bitwise_and_the_file_is_gone(tmp_path: Path) ->
     handles = [tier.pack(t) for t in tensors]
     tier.flush()
     assert tier.stats.unwritten_bytes == 0 and all(h.data is None for h in handles)  # memory released
+    check_round_trip(tier, tensors, handles)
+
+
+def check_round_trip(tier: Tier, tensors: list[torch.Tensor], handles: list[Any]) -> None:
+    """Every handle unpacks to its tensor, bitwise and (when dense) in its layout, not the tensor
+    itself; once the handles are gone nothing is out; a closed tier packs nothing."""
     for t, h in zip(tensors, handles, strict=True):
         got = tier.unpack(h)
         assert got.shape == t.shape and got.dtype == t.dtype and torch.equal(got, t)
+        assert got.data_ptr() != t.data_ptr() or t.numel() == 0  # a copy, not the saved tensor
         if policy._is_dense(t):  # the layout the op saved comes back (its backward may rely on it)
             assert got.stride() == t.stride()
         else:
             assert got.is_contiguous()
     assert tier.stats.returned_bytes == tier.stats.offloaded_bytes == sum(t.numel() * t.element_size() for t in tensors)
-    del handles, got, h
+    handles.clear()
+    del got, h
     assert tier.stats.out_bytes == 0
     tier.close()
     with pytest.raises(RuntimeError, match="closed"):

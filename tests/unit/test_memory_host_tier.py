@@ -9,10 +9,9 @@ from typing import Any
 
 import pytest
 import torch
-from test_memory_file_tier import _tensors
+from test_memory_file_tier import _tensors, check_round_trip
 from test_memory_policy import LAYERS, _inputs, _stage
 
-import mmpipe.memory.policy as policy
 from mmpipe.memory.host import HostTier
 from mmpipe.memory.policy import BlockPolicy, apply_block_policies, count_saved_bytes
 
@@ -20,21 +19,7 @@ from mmpipe.memory.policy import BlockPolicy, apply_block_policies, count_saved_
 def test_every_tensor_comes_back_bitwise_in_its_layout() -> None:
     tier = HostTier()
     tensors = _tensors()
-    handles = [tier.pack(t) for t in tensors]
-    for t, h in zip(tensors, handles, strict=True):
-        got = tier.unpack(h)
-        assert got.shape == t.shape and got.dtype == t.dtype and torch.equal(got, t)
-        assert got.data_ptr() != t.data_ptr() or t.numel() == 0  # a copy, not the saved tensor
-        if policy._is_dense(t):  # the layout the op saved comes back (its backward may rely on it)
-            assert got.stride() == t.stride()
-        else:
-            assert got.is_contiguous()
-    assert tier.stats.returned_bytes == tier.stats.offloaded_bytes == sum(t.numel() * t.element_size() for t in tensors)
-    del handles, got, h
-    assert tier.stats.out_bytes == 0
-    tier.close()
-    with pytest.raises(RuntimeError, match="closed"):
-        tier.pack(torch.ones(3))
+    check_round_trip(tier, tensors, [tier.pack(t) for t in tensors])
 
 
 def test_buffers_are_pooled_so_later_steps_allocate_nothing() -> None:

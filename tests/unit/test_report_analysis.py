@@ -72,6 +72,22 @@ def test_fractions_match_hand_computation() -> None:
     assert (edge.send_s, edge.recv_s) == pytest.approx((1.0, 5.2))
 
 
+def test_a_generation_run_is_one_window_and_a_rank_without_transfers_has_no_comm() -> None:
+    """``mmpipe generate``: one rank, frozen stages only, no transfers; text [0, 1], denoiser calls
+    [1, 2] and [2.5, 3.5], decode [4, 5]."""
+    events = [
+        ev(0, 0, "text", "F", 0, 1, phase="generate"),
+        ev(0, 0, "denoise", "F", 1, 2, phase="generate"),
+        ev(0, 0, "denoise", "F", 2.5, 3.5, phase="generate", mb=1),
+        ev(0, 0, "decode", "F", 4, 5, phase="generate"),
+    ]
+    w = steady_window(events)
+    assert w is not None and (w.start, w.end, w.wall) == (0, 5, 5)
+    (share,) = rank_shares(events, w).values()
+    assert (share.compute, share.comm, share.frozen) == (4, 0, 4) and share.idle_fraction == pytest.approx(0.2)
+    assert stage_shares(events, w)["denoise"][1].compute == 2
+
+
 def test_bubble_and_step_time_agree_with_the_simulators_definitions() -> None:
     events = pipeline_events(validation=False, runahead=False)
     w = steady_window(events)
