@@ -131,7 +131,8 @@ def interleaved_medians(
     setup: Setup, frames: int, policies: list[BlockPolicy], tier: Tier, reps: int
 ) -> tuple[float, float]:
     """Median step seconds of keep-everything and of ``policies`` at ``frames``, run alternately."""
-    step(setup, frames, None, tier), step(setup, frames, policies, tier)  # warm-up (the tier grows once)
+    step(setup, frames, None, tier)  # warm-up of each (the tier's spill file grows to size once)
+    step(setup, frames, policies, tier)
     keep, policy = [], []
     for _ in range(reps):
         keep.append(step(setup, frames, None, tier)[1])

@@ -31,11 +31,9 @@ from collections.abc import Sequence
 
 import torch
 
-from mmpipe.memory.policy import Tier, TierStats, _is_dense, _span
+from mmpipe.memory.policy import Tier, TierStats, _is_dense, _span, page_rounded
 
 __all__ = ["HostTier"]
-
-_ALIGN = 4096  # buffers are pooled by size, rounded up to pages
 
 
 class HostTier(Tier):
@@ -79,7 +77,7 @@ class HostTier(Tier):
         return _Hosted(self, host, nbytes, data)
 
     def _buffer(self, device: torch.device, nbytes: int) -> torch.Tensor:
-        size = -(-max(nbytes, 1) // _ALIGN) * _ALIGN
+        size = page_rounded(nbytes)
         free = self._free[(device, size)]
         if free:
             return free.pop()

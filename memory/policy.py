@@ -103,6 +103,7 @@ class Tier:
     backward of one block can :meth:`prefetch` what the block before it saved."""
 
     stats: TierStats
+    _last_scope: weakref.ref[_BlockScope] | None = None  # the newest block scope, while alive
 
     def pack(self, t: torch.Tensor) -> Any:
         """Move ``t`` out; returns the handle :meth:`unpack` takes."""
@@ -130,8 +131,7 @@ class Tier:
     def open_scope(self, block: int | None) -> _BlockScope:
         """A new offloaded block's forward: its scope, linked to the previous one when that ran
         earlier in the same forward (a lower block index), since its backward runs next."""
-        last = self.__dict__.get("_last_scope")
-        previous = last() if last is not None else None
+        previous = self._last_scope() if self._last_scope is not None else None
         if previous is None or block is None or previous.block is None or previous.block >= block:
             previous = None
         scope = _BlockScope(block, previous)
@@ -153,7 +153,12 @@ class _BlockScope:
         return [h for ref in self.handles if (h := ref()) is not None]
 
 
-_ALIGN = 4096  # regions start on page boundaries
+_ALIGN = 4096  # regions and host buffers start on page boundaries
+
+
+def page_rounded(nbytes: int) -> int:
+    """``nbytes`` (at least one) rounded up to whole pages: the size class tiers reuse space by."""
+    return -(-max(nbytes, 1) // _ALIGN) * _ALIGN
 
 
 class FileTier(Tier):
@@ -203,7 +208,7 @@ class FileTier(Tier):
             while self._pending and self._pending + nbytes > self.max_pending_bytes:
                 self._lock.wait()
             self._pending += nbytes
-            size = -(-max(nbytes, 1) // _ALIGN) * _ALIGN
+            size = page_rounded(nbytes)
             free = self._free[size]
             offset = free.pop() if free else self._grow(size)
             self._regions += 1
@@ -276,7 +281,8 @@ class FileTier(Tier):
     # -- the writer ----------------------------------------------------------------------------------
     def _write_loop(self) -> None:
         # The writer runs at the lowest priority: the step's compute threads get the cores, and the
-        # writer fills the gaps between their ops (on 2 cores: +22 % a step at 512 tokens, not +28 %).
+        # writer fills the gaps between their ops (benchmarks/memory.py on 2 cores, 512 tokens: +9 to +11 %
+        # a step against keep-everything, +38 % with the writer at normal priority).
         with contextlib.suppress(OSError, AttributeError):  # (per-thread nice: Linux)
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         while (batch := self._queue.get()) is not None:

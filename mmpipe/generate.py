@@ -46,6 +46,7 @@ def generate(cfg: GenerateConfig) -> dict[str, Path]:
     out_dir = Path(cfg.out) if cfg.out else run_dir / "samples"
     stem = f"{_slug(cfg.prompt)}-seed{cfg.seed}"
     record_dir = out_dir / f"{stem}-run"
+    out_dir.mkdir(parents=True, exist_ok=True)
     if record_dir.exists():  # a new recording, not appended to the last one's events
         shutil.rmtree(record_dir)
     with torch.no_grad(), record_generation(graph, record_dir, per_call=("denoise",)):
