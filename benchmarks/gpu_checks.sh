@@ -26,7 +26,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT
 status=0
 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/unit/test_memory_host_tier.py 2>&1 | tee "$OUT/tests.log" || status=1
 timeout 240 python3 benchmarks/memory.py --device cuda --max-frames 64 --cap-frames 8 2>&1 | tee "$OUT/memory.log" || status=1
-TRITON_INTERPRET=0 timeout 240 python3 benchmarks/kernels.py 2>&1 | tee "$OUT/kernels.log" || status=1
+TRITON_INTERPRET=0 timeout 300 python3 benchmarks/kernels.py 2>&1 | tee "$OUT/kernels.log" || status=1
 tail -n 1 "$OUT/memory.log" >"$OUT/memory.json"
 tail -n 1 "$OUT/kernels.log" >"$OUT/kernels.json"
 exit $status

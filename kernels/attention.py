@@ -37,6 +37,7 @@ R total keys (``total_k``).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Literal, NamedTuple, overload
 
@@ -47,6 +48,7 @@ from mmpipe.kernels._triton import AVAILABLE, INTERPRETED, can_run
 if AVAILABLE:
     import triton
     import triton.language as tl
+    import triton.testing
 
 __all__ = [
     "attention_reference",
@@ -715,18 +717,80 @@ def _check_runnable(*tensors: torch.Tensor) -> None:
     raise RuntimeError(f"the Triton flash attention kernels cannot run here: {why}")
 
 
-def _blocks(D: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
-    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)``: M query rows, N key rows per tile.
+# What the autotuner tries on a GPU, per input dtype and kernel: ``(BLOCK_M, BLOCK_N, num_warps,
+# num_stages)``, M query rows and N key rows per tile. Chosen with ``python -m mmpipe.kernels.aot``
+# (sm_90, D = 64 and 128, Triton 3.6 and 3.9), which prints shared memory, registers and spills:
+# - 16-bit: every config compiles to Hopper's warpgroup MMA, fits in shared memory and does not spill;
+#   left out are the tiles that spill (dk/dv with 4 warps or 128-row query tiles, dq at 128 x 128) or
+#   lose the warpgroup MMA (query tiles of 32 rows in the forward and dq).
+# - float32 (IEEE products, no tensor cores) and float64: the matmuls are FMA loops whose register
+#   needs change between Triton releases; each list holds tiles that do not spill on at least one of
+#   the two, so the tuner always has a fast one.
+_TUNE_CONFIGS: dict[str, dict[str, tuple[tuple[int, int, int, int], ...]]] = {
+    "16-bit": {
+        "fwd": ((64, 64, 4, 2), (64, 64, 8, 3), (128, 64, 8, 2), (128, 64, 8, 3), (64, 128, 8, 2), (128, 128, 8, 2)),
+        "dkdv": ((64, 64, 8, 2), (64, 64, 8, 3), (32, 128, 8, 2), (32, 128, 8, 3), (32, 64, 4, 3)),
+        "dq": ((64, 64, 8, 2), (128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 3)),
+    },
+    "float32": {
+        "fwd": ((64, 32, 8, 2), (32, 32, 4, 2), (16, 32, 4, 2)),
+        "dkdv": ((16, 32, 4, 2), (16, 16, 4, 2), (32, 32, 4, 2)),
+        "dq": ((64, 32, 8, 2), (32, 32, 4, 2), (16, 32, 4, 2)),
+    },
+    "float64": {
+        "fwd": ((32, 32, 4, 1), (16, 32, 4, 1)),
+        "dkdv": ((16, 16, 4, 1), (16, 32, 4, 1)),
+        "dq": ((16, 32, 4, 2), (16, 16, 4, 1)),
+    },
+}
+_tuners: dict[tuple[str, str, int, int], Any] = {}
+
+
+def _dtype_class(dtype: torch.dtype) -> str:
+    return str(dtype)[6:] if dtype in (torch.float32, torch.float64) else "16-bit"
+
+
+def _blocks(dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` of a launch that does not autotune.
 
     The interpreter gets small, unequal blocks (several blocks and boundary tiles on test shapes, both
-    causal loop bounds exercised). GPU sizes are conservative for shared memory at D = 128."""
+    causal loop bounds exercised); a GPU launch with tiles fixed by a test takes the warps and stages
+    of the dtype's first forward config."""
     if INTERPRETED:
         return 32, 16, 1, 1
-    if dtype == torch.float64:
-        return 32, 32, 4, 1
-    if dtype == torch.float32:
-        return (64, 32, 4, 2) if D > 64 else (64, 64, 4, 2)
-    return 64, 64, 4, 2
+    return _TUNE_CONFIGS[_dtype_class(dtype)]["fwd"][0]
+
+
+def _tuned(kernel: str, dtype: torch.dtype, s_max: int, t_max: int) -> Any:
+    """The autotuned ``kernel`` (``fwd``, ``dkdv`` or ``dq``) for ``dtype`` inputs and sequences of about
+    these lengths.
+
+    One autotuner per power-of-two bucket of the query and key lengths (up to 64k), each keyed by
+    head dim, masking and layout: a long-video self-attention and a text cross-attention tune apart,
+    and a varlen batch whose longest sequence changes does not re-tune every step."""
+    group = _dtype_class(dtype)
+    bucket = (
+        kernel,
+        group,
+        triton.next_power_of_2(min(max(s_max, 1), 2**16)),
+        triton.next_power_of_2(min(max(t_max, 1), 2**16)),
+    )
+    if bucket not in _tuners:
+        fn = {"fwd": _fwd_kernel, "dkdv": _bwd_dkdv_kernel, "dq": _bwd_dq_kernel}[kernel]
+        configs = [
+            triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st)
+            for m, n, w, st in _TUNE_CONFIGS[group][kernel]
+        ]
+        # Short timing windows: at 64k tokens one call takes ~0.1-0.5 s, and the 25 ms / 100 ms
+        # defaults would spend seconds per config; config differences are tens of percent.
+        bench = functools.partial(triton.testing.do_bench, warmup=5, rep=25)
+        _tuners[bucket] = triton.autotune(configs, key=["HEAD_D", "CAUSAL", "VARLEN"], do_bench=bench)(fn)
+    return _tuners[bucket]
+
+
+def _tunes(blocks: tuple[int, int] | None) -> bool:
+    """Whether a launch autotunes its tiles: on a GPU, unless a test fixes the tiles."""
+    return blocks is None and not INTERPRETED
 
 
 def _split_scale(scale: float) -> tuple[float, float]:
@@ -790,22 +854,32 @@ class _Layout(NamedTuple):
 
 
 def _meta(dtype: torch.dtype, D: int, causal: bool, varlen: bool, blocks: tuple[int, int] | None) -> dict[str, Any]:
-    """The kernels' compile-time arguments; ``blocks`` (``BLOCK_M``, ``BLOCK_N``) overrides the tiles (tests)."""
-    block_m, block_n, warps, stages = _blocks(D, dtype)
+    """The kernels' compile-time arguments; ``blocks`` (``BLOCK_M``, ``BLOCK_N``) overrides the tiles (tests).
+    Where the launch autotunes (:func:`_tunes`) the tiles, warps and stages are left to the tuner."""
+    meta = dict(
+        CAUSAL=causal, VARLEN=varlen, HEAD_D=D, ACC=_tl_acc(dtype), UPCAST=_upcast(dtype), PREC=_precision(dtype)
+    )
+    if _tunes(blocks):
+        return meta
+    block_m, block_n, warps, stages = _blocks(dtype)
     if blocks is not None:
         block_m, block_n = blocks
-    return dict(
-        CAUSAL=causal,
-        VARLEN=varlen,
-        HEAD_D=D,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        ACC=_tl_acc(dtype),
-        UPCAST=_upcast(dtype),
-        PREC=_precision(dtype),
-        num_warps=warps,
-        num_stages=stages,
-    )
+    return meta | dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+
+
+def _kernel(kernel: str, meta: dict[str, Any], layout: _Layout, rows: int, dtype: torch.dtype) -> Any:
+    """``kernel`` (``fwd``, ``dkdv`` or ``dq``) launched over its grid: one program per query tile
+    (``fwd``, ``dq``) or key tile (``dkdv``) of each (sequence, head) ``rows``; autotuned or with
+    ``meta``'s tiles."""
+    length, tile = (layout.t_max, "BLOCK_N") if kernel == "dkdv" else (layout.s_max, "BLOCK_M")
+
+    def grid(m: dict[str, Any]) -> tuple[int, int]:
+        return triton.cdiv(length, m[tile]), rows
+
+    if tile in meta:
+        fn = {"fwd": _fwd_kernel, "dkdv": _bwd_dkdv_kernel, "dq": _bwd_dq_kernel}[kernel]
+        return fn[grid]
+    return _tuned(kernel, dtype, layout.s_max, layout.t_max)[grid]
 
 
 def _launch_forward(
@@ -821,8 +895,7 @@ def _launch_forward(
 ) -> None:
     """Run the forward kernel into ``out`` and ``lse`` (either layout)."""
     meta = _meta(q.dtype, q.shape[-1], causal, layout.varlen, blocks)
-    grid = (triton.cdiv(layout.s_max, meta["BLOCK_M"]), layout.n_seqs * layout.heads)
-    _fwd_kernel[grid](
+    _kernel("fwd", meta, layout, layout.n_seqs * layout.heads, q.dtype)(
         q,
         k,
         v,
@@ -861,7 +934,8 @@ def _launch_backward(
     meta = _meta(q.dtype, q.shape[-1], causal, layout.varlen, blocks)
     rows = layout.n_seqs * layout.heads
     delta = _poisoned(lse.shape, _acc_dtype(q.dtype), q.device)  # laid out like the LSE, contiguous
-    _bwd_preprocess_kernel[(triton.cdiv(layout.s_max, meta["BLOCK_M"]), rows)](
+    pre_m = meta.get("BLOCK_M", 64)  # a row sum: its tile is independent of the others'
+    _bwd_preprocess_kernel[(triton.cdiv(layout.s_max, pre_m), rows)](
         out,
         dout,
         delta,
@@ -873,9 +947,9 @@ def _launch_backward(
         layout.s_max,
         VARLEN=layout.varlen,
         HEAD_D=q.shape[-1],
-        BLOCK_M=meta["BLOCK_M"],
+        BLOCK_M=pre_m,
         ACC=meta["ACC"],
-        num_warps=meta["num_warps"],
+        num_warps=meta.get("num_warps", 4),
     )
     common = (
         layout.cu_q,
@@ -889,10 +963,10 @@ def _launch_backward(
     )
     sizes = (layout.heads, layout.s_max, layout.t_max, *_split_scale(scale))
     if layout.t_max > 0:
-        _bwd_dkdv_kernel[(triton.cdiv(layout.t_max, meta["BLOCK_N"]), rows)](
+        _kernel("dkdv", meta, layout, rows, q.dtype)(
             q, k, v, dout, lse, delta, dk, dv, *common, *layout.strides(dk), *layout.strides(dv), *sizes, **meta
         )
-    _bwd_dq_kernel[(triton.cdiv(layout.s_max, meta["BLOCK_M"]), rows)](
+    _kernel("dq", meta, layout, rows, q.dtype)(
         q, k, v, dout, lse, delta, dq, *common, *layout.strides(dq), *sizes, **meta
     )
 

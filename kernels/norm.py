@@ -14,9 +14,11 @@ Legend: B batch, S tokens, D channels.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from mmpipe.kernels._triton import AVAILABLE, can_run
+from mmpipe.kernels._triton import AVAILABLE, can_run, row_warps
 
 if AVAILABLE:
     import triton
@@ -142,6 +144,14 @@ def _acc_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
+def _row_meta(D: int, acc: torch.dtype, rms: bool) -> dict[str, Any]:
+    """The kernels' compile-time arguments for rows of ``D`` channels (one program holds a row in
+    registers; :func:`mmpipe.kernels._triton.row_warps` spreads it over warps)."""
+    block = triton.next_power_of_2(D)
+    acc_tl = tl.float64 if acc == torch.float64 else tl.float32
+    return dict(RMS=rms, BLOCK_D=block, ACC=acc_tl, num_warps=row_warps(block))
+
+
 def norm_modulate_reference(
     x_BSD: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, *, rms: bool = False, eps: float = 1e-6
 ) -> torch.Tensor:
@@ -185,7 +195,7 @@ def _fwd(
     if B * S:
         _norm_modulate_fwd_kernel[(B * S,)](
             x, shift, scale, out, mean, rstd, S, D, mod_sb, mod_ss, eps,
-            RMS=rms, BLOCK_D=triton.next_power_of_2(D), ACC=tl.float64 if acc == torch.float64 else tl.float32,
+            **_row_meta(D, acc, rms),
         )  # fmt: skip
     return out, mean, rstd
 
@@ -209,7 +219,7 @@ def _bwd(
     if B * S:
         _norm_modulate_bwd_kernel[(B * S,)](
             dy, x, scale, mean, rstd, dx, dyxhat, S, D, mod_sb, mod_ss,
-            RMS=rms, BLOCK_D=triton.next_power_of_2(D), ACC=tl.float64 if mean.dtype == torch.float64 else tl.float32,
+            **_row_meta(D, mean.dtype, rms),
         )  # fmt: skip
     per_token = scale.shape[1] == S and S > 1
     dshift = dy.to(mean.dtype, copy=True) if per_token else dy.to(mean.dtype).sum(1, keepdim=True)
@@ -294,7 +304,7 @@ def _gated_fwd(
     if B * S:
         _gated_fwd_kernel[(B * S,)](
             x, y, gate, shift, scale, h, out, mean, rstd, S, D, mod_sb, mod_ss, eps,
-            RMS=rms, BLOCK_D=triton.next_power_of_2(D), ACC=tl.float64 if acc == torch.float64 else tl.float32,
+            **_row_meta(D, acc, rms),
         )  # fmt: skip
     return h, out, mean, rstd
 
@@ -327,7 +337,7 @@ def _gated_bwd(
     if B * S:
         _gated_bwd_kernel[(B * S,)](
             dout, dh, h, y, gate, scale, mean, rstd, dx, dy, dgate_rows, doutxhat, S, D, mod_sb, mod_ss,
-            RMS=rms, BLOCK_D=triton.next_power_of_2(D), ACC=tl.float64 if mean.dtype == torch.float64 else tl.float32,
+            **_row_meta(D, mean.dtype, rms),
         )  # fmt: skip
     dshift = _reduce_mod(dout.to(mean.dtype), scale)
     return dx, dy, _reduce_mod(dgate_rows, gate), dshift, _reduce_mod(doutxhat, scale)

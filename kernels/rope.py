@@ -5,8 +5,9 @@ Wan splits each head's channels into a time, a height and a width part (``t = D 
 ``position * theta ** (-2j / part)``, with the token's frame, row or column as the position for
 its part (diffusers' ``WanRotaryPosEmbed`` + ``apply_rotary_emb``). Eager PyTorch materialises
 ``(S, D)`` cosine and sine tables and runs six elementwise kernels per tensor; the Triton kernel
-computes each token's angles once (in float64) from its index in the ``(F, H, W)`` grid and rotates
-all heads in one read and one write. The backward is the inverse rotation.
+reads each token's cosines and sines from ``(F + H + W, D / 2)`` tables (one row per frame, row and
+column of the grid, angles in float64) by its index in the ``(F, H, W)`` grid and rotates all heads
+in one read and one write. The backward is the inverse rotation.
 
 ``token_offset`` is the index of the first token of ``x`` in the whole grid (a sequence-parallel
 rank holding frames ``f0 ..`` passes ``f0 * H * W``).
@@ -20,7 +21,7 @@ import functools
 
 import torch
 
-from mmpipe.kernels._triton import AVAILABLE, can_run
+from mmpipe.kernels._triton import AVAILABLE, can_run, row_warps
 
 if AVAILABLE:
     import triton
@@ -28,10 +29,10 @@ if AVAILABLE:
 
     @triton.jit
     def _rope3d_kernel(
-        x_ptr, out_ptr, inv_ptr, axis_ptr,
-        S, N, GH, GW, token_offset,
+        x_ptr, out_ptr, cos_ptr, sin_ptr, axis_ptr,
+        S, N, GF, GH, GW, token_offset,
         HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr,
-        INVERSE: tl.constexpr, ACC: tl.constexpr,
+        INVERSE: tl.constexpr,
     ):  # fmt: skip
         row = tl.program_id(0)  # one token of one sample: all its heads
         g = row % S + token_offset
@@ -40,19 +41,18 @@ if AVAILABLE:
         w = g % GW
         p = tl.arange(0, BLOCK_P)
         pmask = p < HALF
-        inv = tl.load(inv_ptr + p, mask=pmask, other=0.0)  # float64
         axis = tl.load(axis_ptr + p, mask=pmask, other=0)
-        pos = tl.where(axis == 0, f, tl.where(axis == 1, h, w)).to(tl.float64)
-        angle = pos * inv
-        cos = tl.cos(angle).to(ACC)
-        sin = tl.sin(angle).to(ACC)
+        # the table row of this channel pair's coordinate: frames, then rows, then columns
+        trow = tl.where(axis == 0, f, tl.where(axis == 1, GF + h, GF + GH + w))
+        cos = tl.load(cos_ptr + trow * HALF + p, mask=pmask, other=1.0)  # the accumulation dtype
+        sin = tl.load(sin_ptr + trow * HALF + p, mask=pmask, other=0.0)
         if INVERSE:
             sin = -sin
         n = tl.arange(0, BLOCK_N)
         mask = (n[:, None] < N) & pmask[None, :]
         offs = row * N * 2 * HALF + n[:, None] * 2 * HALF + 2 * p[None, :]
-        x1 = tl.load(x_ptr + offs, mask=mask, other=0.0).to(ACC)
-        x2 = tl.load(x_ptr + offs + 1, mask=mask, other=0.0).to(ACC)
+        x1 = tl.load(x_ptr + offs, mask=mask, other=0.0).to(cos.dtype)
+        x2 = tl.load(x_ptr + offs + 1, mask=mask, other=0.0).to(cos.dtype)
         y1 = x1 * cos[None, :] - x2 * sin[None, :]
         y2 = x1 * sin[None, :] + x2 * cos[None, :]
         tl.store(out_ptr + offs, y1.to(out_ptr.dtype.element_ty), mask=mask)
@@ -72,6 +72,23 @@ def _tables(head_dim: int, theta: float, device: torch.device) -> tuple[torch.Te
         inv.append(1.0 / (theta ** (j / dim)))
         axis.append(torch.full((dim // 2,), a, dtype=torch.int32))
     return torch.cat(inv).to(device), torch.cat(axis).to(device)
+
+
+@functools.lru_cache(maxsize=64)
+def _trig_tables(
+    head_dim: int, theta: float, grid: tuple[int, int, int], acc: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cosines and sines ``(F + H + W, D / 2)`` in ``acc``: row ``c`` of the frame, row and column
+    blocks holds ``c * inv_freq`` for every channel pair (a pair reads the block of its axis).
+
+    The angles are the reference's float64 products and the rounding to ``acc`` is the same, so the
+    kernel's rotations equal eager PyTorch's (and diffusers') bit for bit; computing ``cos`` and
+    ``sin`` once per grid coordinate instead of per token keeps float64 trigonometry out of the kernel
+    (Triton 3.6 spilled ~1 KB a thread on it at sm_90, ``python -m mmpipe.kernels.aot``)."""
+    inv, _ = _tables(head_dim, theta, device)
+    pos = torch.cat([torch.arange(n, dtype=torch.float64, device=device) for n in grid])
+    angle = pos[:, None] * inv[None, :]
+    return angle.cos().to(acc), angle.sin().to(acc)
 
 
 def rope3d_reference(
@@ -95,14 +112,18 @@ def _rope3d(x: torch.Tensor, gh: int, gw: int, token_offset: int, theta: float, 
     if not can_run(x):
         raise RuntimeError("rope3d's Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1 on CPU)")
     B, S, N, D = x.shape
-    inv, axis = _tables(D, theta, x.device)
     x = x.contiguous()
     out = torch.full_like(x, float("nan"))  # poisoned: an element the kernel misses stays NaN
     if x.numel():
+        frames = (token_offset + S - 1) // (gh * gw) + 1
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        cos, sin = _trig_tables(D, theta, (frames, gh, gw), acc, x.device)
+        _, axis = _tables(D, theta, x.device)
+        block_n, block_p = triton.next_power_of_2(N), triton.next_power_of_2(D // 2)
         _rope3d_kernel[(B * S,)](
-            x, out, inv, axis, S, N, gh, gw, token_offset,
-            HALF=D // 2, BLOCK_N=triton.next_power_of_2(N), BLOCK_P=triton.next_power_of_2(D // 2),
-            INVERSE=inverse, ACC=tl.float64 if x.dtype == torch.float64 else tl.float32,
+            x, out, cos, sin, axis, S, N, frames, gh, gw, token_offset,
+            HALF=D // 2, BLOCK_N=block_n, BLOCK_P=block_p, INVERSE=inverse,
+            num_warps=row_warps(block_n * block_p),
         )  # fmt: skip
     return out
 

@@ -134,6 +134,19 @@ def test_float64_other_tiles(seed: int, S: int, T: int) -> None:
     _check_all(seed, got, _reference(q, k, v, dout, True, 0.125), **F64)
 
 
+# Every tile the GPU autotuner may pick (fa._TUNE_CONFIGS; each kernel's tiles are independent of
+# the others'), at lengths that leave ragged last blocks of the largest tile.
+TUNED_TILES = sorted({(m, n) for kernels in fa._TUNE_CONFIGS.values() for c in kernels.values() for m, n, _, _ in c})
+
+
+@pytest.mark.parametrize("blocks", TUNED_TILES, ids=[f"{m}x{n}" for m, n in TUNED_TILES])
+@pytest.mark.parametrize("S,T,causal", [(200, 150, True), (150, 200, False)])
+def test_float64_autotuner_tiles(seed: int, blocks: tuple[int, int], S: int, T: int, causal: bool) -> None:
+    q, k, v, dout = _inputs(S, T, 32, torch.float64)
+    got = _run(q, k, v, dout, causal, 0.3, blocks=blocks)
+    _check_all(seed, got, _reference(q, k, v, dout, causal, 0.3), **F64)
+
+
 @pytest.mark.parametrize(
     "dtype,tol",
     [

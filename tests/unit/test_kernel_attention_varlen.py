@@ -119,6 +119,16 @@ def test_float64_other_tiles(seed: int) -> None:
     _check_all(seed, batch.run(True, 0.125, blocks=(16, 32)), batch.reference(True, 0.125), **F64)
 
 
+TUNED_TILES = sorted({(m, n) for kernels in fa._TUNE_CONFIGS.values() for c in kernels.values() for m, n, _, _ in c})
+
+
+@pytest.mark.parametrize("blocks", TUNED_TILES, ids=[f"{m}x{n}" for m, n in TUNED_TILES])
+def test_float64_autotuner_tiles(seed: int, blocks: tuple[int, int]) -> None:
+    """Every tile the GPU autotuner may pick, on sequences longer than one tile and shorter than one."""
+    batch = Batch([150, 0, 37, 200], [200, 5, 37, 130])
+    _check_all(seed, batch.run(True, 0.125, blocks=blocks), batch.reference(True, 0.125), **F64)
+
+
 def test_float32_matches_float64_reference(seed: int) -> None:
     batch = Batch(*CROSS, dtype=torch.float32)
     got = batch.run(True, D**-0.5)
