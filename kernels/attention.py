@@ -198,6 +198,42 @@ if AVAILABLE:
             b = b.to(ACC)
         return tl.dot(a, b, input_precision=PREC, out_dtype=ACC)
 
+    # Scores live in base 2 (FlashAttention-2's trick: ``exp2`` of ``qk * scale * log2(e)`` costs one
+    # multiply per score, ``exp`` of a separately scaled score three) except for float64, which keeps
+    # natural exponents and the scale's float32 tail (a float32 log2(e) would cost it 1e-8).
+
+    @triton.jit
+    def _scores(qk, scale_hi, scale_lo, ACC: tl.constexpr):
+        """``qk * scale`` in the kernels' exponent base."""
+        if ACC == tl.float64:
+            return qk * scale_hi + qk * scale_lo
+        else:
+            return qk * (scale_hi * 1.4426950408889634)
+
+    @triton.jit
+    def _exp(x, ACC: tl.constexpr):
+        """The exponential in the kernels' base."""
+        if ACC == tl.float64:
+            return tl.exp(x)
+        else:
+            return tl.exp2(x)
+
+    @triton.jit
+    def _natural_lse(m, total, ACC: tl.constexpr):
+        """The natural-log logsumexp of a row from its running maximum ``m`` and sum ``total`` (base units)."""
+        if ACC == tl.float64:
+            return m + tl.log(total)
+        else:
+            return (m + tl.log2(total)) * 0.6931471805599453
+
+    @triton.jit
+    def _to_base(lse, ACC: tl.constexpr):
+        """A natural-log LSE in the kernels' base (``-inf`` stays ``-inf``)."""
+        if ACC == tl.float64:
+            return lse
+        else:
+            return lse * 1.4426950408889634
+
     @triton.jit
     def _seq_span(Cu, b, n, VARLEN: tl.constexpr):
         """``(start, length)`` of sequence ``b`` on the sequence axis: rows ``Cu[b]:Cu[b + 1]`` of a packed
@@ -288,7 +324,7 @@ if AVAILABLE:
             col_ok_N = cols_N < T
             kt_DN = tl.load(kt_ptrs, mask=col_ok_N[None, :], other=0.0)
             qk_MN = _dot(q_MD, kt_DN, ACC, UPCAST, PREC)
-            s_MN = qk_MN * scale_hi + qk_MN * scale_lo
+            s_MN = _scores(qk_MN, scale_hi, scale_lo, ACC)
             keep_MN = col_ok_N[None, :]
             if CAUSAL:
                 keep_MN = keep_MN & (cols_N[None, :] <= rows_M[:, None])
@@ -296,8 +332,8 @@ if AVAILABLE:
             m_new_M = tl.maximum(m_M, tl.max(s_MN, 1))
             # A row that has seen no key yet keeps m = -inf; 0 stands in so that no inf - inf is formed.
             m_ref_M = tl.where(m_new_M == float("-inf"), 0.0, m_new_M)
-            p_MN = tl.exp(s_MN - m_ref_M[:, None])
-            alpha_M = tl.exp(m_M - m_ref_M)
+            p_MN = _exp(s_MN - m_ref_M[:, None], ACC)
+            alpha_M = _exp(m_M - m_ref_M, ACC)
             l_M = l_M * alpha_M + tl.sum(p_MN, 1)
             v_ND = tl.load(v_ptrs, mask=col_ok_N[:, None], other=0.0)
             acc_MD = acc_MD * alpha_M[:, None] + _dot(p_MN.to(v_ND.dtype), v_ND, ACC, UPCAST, PREC)
@@ -307,7 +343,7 @@ if AVAILABLE:
 
         seen_M = l_M > 0.0
         out_MD = acc_MD / tl.where(seen_M, l_M, 1.0)[:, None]
-        lse_M = tl.where(seen_M, m_M + tl.log(tl.where(seen_M, l_M, 1.0)), float("-inf"))
+        lse_M = tl.where(seen_M, _natural_lse(m_M, tl.where(seen_M, l_M, 1.0), ACC), float("-inf"))
         o_ptrs = Out + b * sob + h * soh + m64 * sos + offs_m[:, None] * sos + offs_d[None, :] * sod
         tl.store(o_ptrs, out_MD.to(Out.dtype.element_ty), mask=row_ok_M[:, None])
         tl.store(Lse + b * slb + h * slh + m64 * sls + offs_m * sls, lse_M.to(Lse.dtype.element_ty), mask=row_ok_M)
@@ -468,12 +504,12 @@ if AVAILABLE:
             lse_M = tl.load(lse_ptrs, mask=row_ok_M, other=0.0).to(ACC)
             delta_M = tl.load(delta_ptrs, mask=row_ok_M, other=0.0)
             qk_NM = _dot(k_ND, qt_DM, ACC, UPCAST, PREC)
-            s_NM = qk_NM * scale_hi + qk_NM * scale_lo
+            s_NM = _scores(qk_NM, scale_hi, scale_lo, ACC)
             # A row with LSE -inf (no visible key in the merged softmax) has p = 0.
             keep_NM = col_ok_N[:, None] & (row_ok_M & (lse_M != float("-inf")))[None, :]
             if CAUSAL:
                 keep_NM = keep_NM & (cols_N[:, None] <= rows_M[None, :])
-            p_NM = tl.where(keep_NM, tl.exp(tl.where(keep_NM, s_NM - lse_M[None, :], 0.0)), 0.0)
+            p_NM = tl.where(keep_NM, _exp(tl.where(keep_NM, s_NM - _to_base(lse_M, ACC)[None, :], 0.0), ACC), 0.0)
             dv_ND += _dot(p_NM.to(do_MD.dtype), do_MD, ACC, UPCAST, PREC)
             dp_NM = _dot(v_ND, tl.trans(do_MD), ACC, UPCAST, PREC)
             ds_NM = p_NM * (dp_NM - delta_M[None, :])
@@ -576,6 +612,7 @@ if AVAILABLE:
         lse_M = tl.load(Lse + b * slb + h * slh + m64 * sls + offs_m * sls, mask=row_ok_M, other=0.0).to(ACC)
         delta_M = tl.load(Delta + b * sxb + h * sxh + m64 * sxs + offs_m * sxs, mask=row_ok_M, other=0.0)
         row_live_M = row_ok_M & (lse_M != float("-inf"))
+        lse_b_M = _to_base(lse_M, ACC)
         k_ptrs = K + b * skb + h * skh + k0 * skt + offs_n[:, None] * skt + offs_d[None, :] * skd  # [N, D]
         vt_ptrs = V + b * svb + h * svh + k0 * svt + offs_n[None, :] * svt + offs_d[:, None] * svd  # [D, N]
         dq_MD = tl.zeros([BLOCK_M, HEAD_D], ACC)
@@ -590,11 +627,11 @@ if AVAILABLE:
             k_ND = tl.load(k_ptrs, mask=col_ok_N[:, None], other=0.0)
             vt_DN = tl.load(vt_ptrs, mask=col_ok_N[None, :], other=0.0)
             qk_MN = _dot(q_MD, tl.trans(k_ND), ACC, UPCAST, PREC)
-            s_MN = qk_MN * scale_hi + qk_MN * scale_lo
+            s_MN = _scores(qk_MN, scale_hi, scale_lo, ACC)
             keep_MN = row_live_M[:, None] & col_ok_N[None, :]
             if CAUSAL:
                 keep_MN = keep_MN & (cols_N[None, :] <= rows_M[:, None])
-            p_MN = tl.where(keep_MN, tl.exp(tl.where(keep_MN, s_MN - lse_M[:, None], 0.0)), 0.0)
+            p_MN = tl.where(keep_MN, _exp(tl.where(keep_MN, s_MN - lse_b_M[:, None], 0.0), ACC), 0.0)
             dp_MN = _dot(do_MD, vt_DN, ACC, UPCAST, PREC)
             ds_MN = p_MN * (dp_MN - delta_M[:, None])
             dq_MD += _dot(ds_MN.to(k_ND.dtype), k_ND, ACC, UPCAST, PREC)
