@@ -11,8 +11,10 @@ medians. Without one the kernels run in Triton's CPU interpreter at tiny shapes:
 the script and the kernels run end to end (``"interpreted": true``); their times say nothing about the
 kernels.
 
-The last output line is one JSON object ``{"device", "interpreted", "ceilings", "results": [...]}``,
-each result with ``kernel``, ``shape``, ``ours_ms``, ``baseline``, ``baseline_ms``, ``speedup``.
+The last output line is one JSON object ``{"device", "interpreted", "ceilings", "results": [...],
+"autotuned": [...]}``, each result with ``kernel``, ``shape``, ``ours_ms``, ``baseline``,
+``baseline_ms``, ``speedup``; ``autotuned`` lists the attention tiles the autotuner chose (GPU only).
+Attention times include no tuning: each shape's first call, which tunes, is ``do_bench``'s warm-up.
 """
 
 from __future__ import annotations
@@ -194,6 +196,18 @@ def varlen_rows(lens: list[int], h: int, d: int, device: torch.device, dtype: to
     ]
 
 
+def autotuned() -> list[dict[str, Any]]:
+    """The attention tiles the autotuner chose on this device, per kernel, dtype and length bucket (none
+    when interpreted: the interpreter's tiles are fixed)."""
+    from mmpipe.kernels import attention
+
+    return [
+        {"kernel": kernel, "dtype": group, "s_bucket": s, "t_bucket": t, "key": str(key), "config": str(config)}
+        for (kernel, group, s, t), tuner in attention._tuners.items()
+        for key, config in tuner.cache.items()
+    ]
+
+
 def main() -> None:
     if not _triton.AVAILABLE or not (CUDA or _triton.INTERPRETED):
         raise SystemExit(
@@ -208,7 +222,8 @@ def main() -> None:
         print(
             f"{r['kernel']:>16} {r['shape']:>36}  ours {r['ours_ms']:9.3f} ms  {r['baseline']} {r['baseline_ms']:9.3f} ms  x{r['speedup']:.2f}"
         )
-    print(json.dumps({"device": name, "interpreted": not CUDA, "ceilings": ceilings(device), "results": results}))
+    report = {"device": name, "interpreted": not CUDA, "ceilings": ceilings(device), "results": results}
+    print(json.dumps(report | {"autotuned": autotuned()}))
 
 
 if __name__ == "__main__":
