@@ -125,7 +125,8 @@ TUNED_TILES = sorted({(m, n) for kernels in fa._TUNE_CONFIGS.values() for c in k
 @pytest.mark.parametrize("blocks", TUNED_TILES, ids=[f"{m}x{n}" for m, n in TUNED_TILES])
 def test_float64_autotuner_tiles(seed: int, blocks: tuple[int, int]) -> None:
     """Every tile the GPU autotuner may pick, on sequences longer than one tile and shorter than one."""
-    batch = Batch([150, 0, 37, 200], [200, 5, 37, 130])
+    m, n = blocks
+    batch = Batch([3 * m // 2 + 3, 0, m // 2 + 5, 5 * m // 2 + 1], [5 * n // 2 + 1, 5, n // 2 + 3, 3 * n // 2 + 3])
     _check_all(seed, batch.run(True, 0.125, blocks=blocks), batch.reference(True, 0.125), **F64)
 
 
