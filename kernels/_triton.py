@@ -33,9 +33,9 @@ def can_run(*tensors: torch.Tensor) -> bool:
 def row_warps(block: int) -> int:
     """Warps for a program that holds ``block`` elements of each of its vectors in registers (a
     normalised row, a token's heads): Liger-Kernel's ``calculate_settings`` rule, which keeps a
-    thread at no more than 32 elements of a vector up to ``block`` 16384. At Triton's default of four warps a 5120-channel row
-    (``block`` 8192) costs the gated norm's backward all 255 registers a thread may have; at sixteen,
-    about 100 (``python -m mmpipe.kernels.aot`` prints them)."""
+    thread at no more than 32 elements of a vector up to ``block`` 16384. At Triton's default of
+    four warps a 5120-channel row (``block`` 8192) costs the gated norm's backward all 255 registers
+    a thread may have; at sixteen, about 100 (``python -m mmpipe.kernels.aot`` prints them)."""
     if block >= 32768:
         return 32
     if block >= 8192:

@@ -798,6 +798,11 @@ def _blocks(dtype: torch.dtype) -> tuple[int, int, int, int]:
     return _TUNE_CONFIGS[_dtype_class(dtype)]["fwd"][0]
 
 
+def _jit(kernel: str) -> Any:
+    """The Triton kernel ``fwd``, ``dkdv`` or ``dq``."""
+    return {"fwd": _fwd_kernel, "dkdv": _bwd_dkdv_kernel, "dq": _bwd_dq_kernel}[kernel]
+
+
 def _tuned(kernel: str, dtype: torch.dtype, s_max: int, t_max: int) -> Any:
     """The autotuned ``kernel`` (``fwd``, ``dkdv`` or ``dq``) for ``dtype`` inputs and sequences of about
     these lengths.
@@ -813,7 +818,7 @@ def _tuned(kernel: str, dtype: torch.dtype, s_max: int, t_max: int) -> Any:
         triton.next_power_of_2(min(max(t_max, 1), 2**16)),
     )
     if bucket not in _tuners:
-        fn = {"fwd": _fwd_kernel, "dkdv": _bwd_dkdv_kernel, "dq": _bwd_dq_kernel}[kernel]
+        fn = _jit(kernel)
         configs = [
             triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st)
             for m, n, w, st in _TUNE_CONFIGS[group][kernel]
@@ -914,8 +919,7 @@ def _kernel(kernel: str, meta: dict[str, Any], layout: _Layout, rows: int, dtype
         return triton.cdiv(length, m[tile]), rows
 
     if tile in meta:
-        fn = {"fwd": _fwd_kernel, "dkdv": _bwd_dkdv_kernel, "dq": _bwd_dq_kernel}[kernel]
-        return fn[grid]
+        return _jit(kernel)[grid]
     return _tuned(kernel, dtype, layout.s_max, layout.t_max)[grid]
 
 

@@ -24,6 +24,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from test_kernel_attention import TUNED_TILES
 
 from mmpipe.kernels import attention as fa
 
@@ -117,9 +118,6 @@ def test_float64_other_tiles(seed: int) -> None:
     """Key tiles larger than query tiles: the causal start of the dk/dv query loop skips whole blocks."""
     batch = Batch(*CROSS)
     _check_all(seed, batch.run(True, 0.125, blocks=(16, 32)), batch.reference(True, 0.125), **F64)
-
-
-TUNED_TILES = sorted({(m, n) for kernels in fa._TUNE_CONFIGS.values() for c in kernels.values() for m, n, _, _ in c})
 
 
 @pytest.mark.parametrize("blocks", TUNED_TILES, ids=[f"{m}x{n}" for m, n in TUNED_TILES])
