@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The GPU checks of the memory and kernel issues, as one run on a lent GPU machine (the `device`
-# tool's `run`): the CUDA tests, then the GPU benchmarks, each printing its JSON last line; logs
-# and JSON go to $OUT (or ./gpu-out). Needs, beside the machine's own torch and triton, the
-# project's pure-Python dependencies as wheels in .whl/ (the device machine reaches no registry):
+# tool's `run`): the CUDA tests (pinned host tier, xFormers backend), then the GPU benchmarks,
+# each printing its JSON last line; logs and JSON go to $OUT (or ./gpu-out). Needs, beside the
+# machine's own torch and triton, the project's pure-Python dependencies and xFormers as wheels in
+# .whl/ (the device machine reaches no registry):
 #
 #   echo /.whl/ >> .git/info/exclude
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-#       -d .whl diffusers hydra-core omegaconf antlr4-python3-runtime==4.9.3 av ftfy
+#       -d .whl diffusers hydra-core omegaconf antlr4-python3-runtime==4.9.3 av ftfy xformers==0.0.35
 #
 # and then `run(command="bash benchmarks/gpu_checks.sh", carry=[".whl"], timeout_s=540)`.
 set -uo pipefail
@@ -24,7 +25,7 @@ export PYTHONPATH="$SITE" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
 
 status=0
-timeout 120 python3 -m pytest -q -p no:cacheprovider tests/unit/test_memory_host_tier.py 2>&1 | tee "$OUT/tests.log" || status=1
+timeout 120 python3 -m pytest -q -p no:cacheprovider tests/unit/test_memory_host_tier.py tests/unit/test_attention_xformers.py 2>&1 | tee "$OUT/tests.log" || status=1
 timeout 240 python3 benchmarks/memory.py --device cuda --max-frames 64 --cap-frames 8 2>&1 | tee "$OUT/memory.log" || status=1
 TRITON_INTERPRET=0 timeout 300 python3 benchmarks/kernels.py 2>&1 | tee "$OUT/kernels.log" || status=1
 tail -n 1 "$OUT/memory.log" >"$OUT/memory.json"

@@ -1,7 +1,7 @@
 """Which implementation each hot-path kernel uses, chosen once per process.
 
 Every kernel has the plain PyTorch path (``torch``, the default: kernels are opt-in) and a Triton
-one (``triton``); attention may also name ``xformers`` where it is installed. ``auto`` takes Triton
+one (``triton``); attention may also name ``xformers`` where it is installed (CUDA only). ``auto`` takes Triton
 on CUDA and PyTorch elsewhere. A run resolves its config (``model.kernels``) with :func:`resolve`
 before any worker starts (an unavailable choice is an error naming the key) and each worker
 installs it with :func:`configure`; the attention core and the DiT stage read :func:`chosen`.
@@ -49,8 +49,8 @@ def resolve(choice: KernelChoice, device: torch.device | str = "cpu", *, prefix:
             raise ValueError(f"{prefix}.{kernel}=triton: no CUDA device; set TRITON_INTERPRET=1 to run it interpreted")
         if name == "xformers" and importlib.util.find_spec("xformers") is None:
             raise ValueError(f"{prefix}.{kernel}=xformers: xformers is not installed")
-        if name == "xformers":
-            raise ValueError(f"{prefix}.{kernel}=xformers: the xformers attention backend is not built yet")
+        if name == "xformers" and device.type != "cuda":
+            raise ValueError(f"{prefix}.{kernel}=xformers: xFormers' attention runs on CUDA only, not on {device.type}")
         out[kernel] = name
     return KernelChoice(**out)
 

@@ -7,6 +7,7 @@ torch, diffusers and transformers are imported.
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +18,9 @@ __version__ = "0.1.0"
 # set here, before anything else is imported; an explicit TRITON_INTERPRET wins.
 if not os.path.exists("/dev/nvidiactl"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # xFormers (the optional CUDA attention backend; diffusers imports it where installed) warns on
+    # every import that its CUDA extensions cannot load, which on a machine without a GPU says nothing
+    logging.getLogger("xformers").setLevel(logging.ERROR)
 
 _EXPORTS = {
     "Capabilities": "mmpipe.graph",

@@ -16,6 +16,8 @@ backward. Backends are chosen once, by :func:`select_backend` (device and dtype,
 - ``triton``: mmpipe's own FlashAttention kernels (``mmpipe.kernels.attention``, custom ops
   ``mmpipe::flash_attn_fwd`` / ``mmpipe::flash_attn_bwd``) on CUDA, any float dtype, head dims 16 to 128
   (powers of two); on CPU only in Triton's interpreter (tests). Returns the LSE; needs ``triton``.
+- ``xformers``: ``xformers.ops.fmha``'s forward with LSE and its backward (FlashAttention-2 or CUTLASS,
+  whichever xFormers dispatches to) on CUDA, fp16 / bf16 / fp32. Returns the LSE; needs ``xformers``.
 
 Legend: B batch, H heads, S query length, T key length, D head dim. Layout is ``BHSD`` throughout.
 """
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import importlib.util
 import math
 from collections.abc import Callable
 from typing import Any
@@ -42,6 +45,7 @@ class AttentionBackend(enum.StrEnum):
     MATH = "math"
     SDPA = "sdpa"
     TRITON = "triton"
+    XFORMERS = "xformers"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,11 +163,66 @@ def _triton_backward(
     return flash_attn_bwd(dout, q, k, v, out, lse, causal, scale)
 
 
+def _xformers_bias(causal: bool) -> Any:
+    from xformers.ops import fmha  # imports xformers: only when used
+
+    # LowerTriangularMask is top-left aligned (query i sees keys j <= i) for any S, T, as ATen's kernels
+    return fmha.attn_bias.LowerTriangularMask() if causal else None
+
+
+def _xformers_forward(
+    q_BHSD: torch.Tensor, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from xformers.ops import fmha
+
+    try:  # xFormers' layout is BMHK (B, S, H, D): a transpose of ours, no copy
+        out_BSHD, lse_BHS = fmha.memory_efficient_attention_forward_requires_grad(
+            q_BHSD.transpose(1, 2),
+            k_BHTD.transpose(1, 2),
+            v_BHTD.transpose(1, 2),
+            attn_bias=_xformers_bias(causal),
+            scale=scale,
+        )
+    except NotImplementedError as e:  # no xFormers operator takes these inputs; its message says why
+        raise ValueError(
+            f"attention backend 'xformers' has no kernel for {q_BHSD.dtype} inputs of head dim {q_BHSD.shape[-1]} "
+            f"on {q_BHSD.device} (it runs fp16 / bf16 / fp32 on CUDA): {e}"
+        ) from None
+    # CUTLASS pads the LSE's query axis to a multiple of 32; its backward pads a given one itself
+    return out_BSHD.transpose(1, 2), lse_BHS[..., : q_BHSD.shape[2]]
+
+
+def _xformers_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from xformers.ops import fmha
+
+    dq, dk, dv = fmha.memory_efficient_attention_backward(
+        dout.transpose(1, 2),
+        out.transpose(1, 2),
+        lse.contiguous(),
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_bias=_xformers_bias(causal),
+        scale=scale,
+    )
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
 _BACKENDS = {
     AttentionBackend.TORCH: AttentionImpl(AttentionBackend.TORCH, _torch_forward, _torch_backward),
     AttentionBackend.MATH: AttentionImpl(AttentionBackend.MATH, _math_forward, _math_backward),
     AttentionBackend.SDPA: AttentionImpl(AttentionBackend.SDPA, None, None),
     AttentionBackend.TRITON: AttentionImpl(AttentionBackend.TRITON, _triton_forward, _triton_backward),
+    AttentionBackend.XFORMERS: AttentionImpl(AttentionBackend.XFORMERS, _xformers_forward, _xformers_backward),
 }
 
 
@@ -188,6 +247,11 @@ def select_backend(name: str | AttentionBackend | None = None, *, device: torch.
                 "attention backend 'triton' needs the triton package, which is not installed "
                 "(pip install mmpipe[triton], Linux only); use 'torch' instead"
             )
+    if backend == AttentionBackend.XFORMERS and importlib.util.find_spec("xformers") is None:
+        raise ValueError(
+            "attention backend 'xformers' needs the xformers package, which is not installed "
+            "(pip install mmpipe[xformers]); use 'torch' or 'triton' instead"
+        )
     return _BACKENDS[backend]
 
 

@@ -92,7 +92,9 @@ def _worker(rank: int, world: int, port: int, placement: dict, out: Any) -> None
     for s, module in executor.modules.items():
         for k, p in module.named_parameters():
             grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-            grads[f"{s}.{k}"] = grad.clone()
+            grads[f"{s}.{k}"] = grad.numpy().copy()
+    # numpy arrays pickle by value; a tensor would travel as a shared-memory handle that the parent
+    # can only open while this process lives (it may read the queue after this process has exited)
     out.put((rank, grads))
     dist.barrier()
     dist.destroy_process_group()
@@ -120,7 +122,7 @@ def test_fan_out_gradients_match_single_process(world: int, placement: dict) -> 
         assert p.exitcode == 0
     grads: dict[str, torch.Tensor] = {}
     for _, g in sorted(results, key=lambda r: r[0]):
-        grads.update(g)
+        grads.update({k: torch.from_numpy(v) for k, v in g.items()})
     ref = reference_grads()
     assert grads.keys() == ref.keys()
     dp = any(isinstance(v, dict) for v in placement.values())

@@ -101,8 +101,12 @@ def test_data_parallel_dit_matches_within_reordering_tolerance(reference: Path, 
         assert g["loss"] == pytest.approx(r["loss"], rel=1e-5)
         assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-5)
     pr, pg = dit_params(reference), dit_params(tmp_path)
+    # Adam's normalised step lr * m / (sqrt(v) + eps) turns that relative gradient noise into a
+    # parameter drift for elements whose gradient is tiny (observed 1.3e-5 after three steps, with
+    # the losses equal to 7 digits); 5e-5 is 2.5 % of one step (lr = 2e-3), and a wrong slice or a
+    # missing gradient average moves parameters by whole steps.
     for k in pr:
-        torch.testing.assert_close(pg[k], pr[k], rtol=1e-5, atol=1e-5, msg=k)
+        torch.testing.assert_close(pg[k], pr[k], rtol=1e-5, atol=5e-5, msg=k)
 
 
 def test_parameters_gathered_once_per_step_match_gathering_per_micro_batch(tmp_path: Path) -> None:
