@@ -138,13 +138,10 @@ def test_xformers_forward_and_backward_match_the_math_backend(s: int, t: int, ca
 
 @pytest.mark.usefixtures("cpu_xformers")
 def test_wan_dit_with_xformers_attention_matches_the_stock_model() -> None:
-    from diffusers import WanTransformer3DModel
+    from test_kernels import _tiny_wan  # the Triton kernels' DiT test model
 
     seed = _seed()
-    stock = WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4,
-        text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2, rope_max_seq_len=64,
-    ).double()  # fmt: skip
+    stock = _tiny_wan()
     swapped = copy.deepcopy(stock)
     use_kernels(swapped, KernelChoice(attention="xformers"))
     latents = torch.randn(1, 4, 2, 8, 6, dtype=torch.float64)
