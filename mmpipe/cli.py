@@ -45,6 +45,10 @@ def compose_config(command: str, overrides: Sequence[str]) -> dict[str, Any]:
 
 def _run_train(raw: dict[str, Any]) -> None:
     cfg = from_dict(RunConfig, raw)  # validate before the heavy imports
+    if cfg.launch.nproc > 1:
+        from mmpipe.runtime import procs
+
+        procs.start_server()
     from mmpipe.train import train
 
     result = train(cfg)
@@ -63,6 +67,9 @@ def _run_generate(raw: dict[str, Any]) -> None:
 
 def _run_serve(raw: dict[str, Any]) -> None:
     cfg = from_dict(ServeConfig, raw)
+    from mmpipe.runtime import procs
+
+    procs.start_server()  # the serving groups' processes
     from mmpipe.serve.server import serve
 
     serve(cfg)

@@ -22,6 +22,7 @@ from torch.distributed.launcher.api import LaunchConfig as ElasticConfig
 from torch.distributed.launcher.api import elastic_launch
 
 from mmpipe.config import RunConfig, to_dict
+from mmpipe.runtime import procs
 
 _OWN_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
@@ -51,15 +52,16 @@ def launch_local(cfg: RunConfig) -> None:
         rdzv_endpoint=f"127.0.0.1:{port}",
         max_restarts=cfg.launch.max_restarts,
         monitor_interval=0.5,
-        start_method="spawn",
+        start_method=procs.START_METHOD,
     )
     # Workers must not share the rendezvous store with the agent: it outlives a restart, and the
     # restarted workers' sub-groups (FSDP meshes, the metrics group) would read the dead
     # attempt's addresses from it. With this set, rank 0 hosts a fresh store each attempt.
     saved = os.environ.get(_OWN_STORE)
     os.environ[_OWN_STORE] = "1"
+    procs.context()  # the agent's workers come from the preloading forkserver
     try:
-        elastic_launch(elastic, run)(to_dict(cfg))
+        elastic_launch(elastic, run)(to_dict(cfg), procs.environment())
     except ChildFailedError as err:
         recorded = _recorded_failure(Path(cfg.run_dir)) if cfg.run_dir else None
         killed = any(f.exitcode < 0 for f in err.failures.values())  # by a signal: it recorded nothing
@@ -73,6 +75,20 @@ def launch_local(cfg: RunConfig) -> None:
             os.environ.pop(_OWN_STORE, None)
         else:
             os.environ[_OWN_STORE] = saved
+
+
+# What torch's elastic agent sets for each worker (LocalElasticAgent._start_workers and the
+# multiprocessing layer's error file): these win over the launcher's environment.
+_ELASTIC_ENV = frozenset(
+    "RANK LOCAL_RANK GROUP_RANK ROLE_RANK ROLE_NAME LOCAL_WORLD_SIZE WORLD_SIZE GROUP_WORLD_SIZE "
+    "ROLE_WORLD_SIZE MASTER_ADDR MASTER_PORT TORCH_NCCL_ASYNC_ERROR_HANDLING CUDA_VISIBLE_DEVICES "
+    "OMP_NUM_THREADS".split()
+)
+
+
+def elastic_owned(key: str) -> bool:
+    """Whether the elastic agent set environment variable ``key`` for this worker."""
+    return key in _ELASTIC_ENV or key.startswith("TORCHELASTIC_")
 
 
 # How gloo reports a peer that died (what every other rank sees once one rank fails).

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from mmpipe.runtime import procs
 from mmpipe.runtime.launch import free_port
 from mmpipe.runtime.transport import isend_tensors, recv_tensors
 
@@ -21,7 +22,8 @@ COLLECTIVE_SIZES = (1 << 20, 1 << 24)
 ROUNDS = 20
 
 
-def _worker(rank: int, port: int, queue: mp.SimpleQueue) -> None:
+def _worker(rank: int, port: int, queue: mp.SimpleQueue, env: dict[str, str]) -> None:
+    procs.adopt_environment(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
@@ -64,9 +66,10 @@ def _worker(rank: int, port: int, queue: mp.SimpleQueue) -> None:
 def probe_transport() -> dict[str, float]:
     """Two local ranks' ``latency_s`` / ``bandwidth`` (one point-to-point message) and
     ``collective_latency_s`` / ``collective_bandwidth`` (an all-gather over both, by output bytes)."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    mp.start_processes(_worker, args=(free_port(), queue), nprocs=2, start_method="spawn")
+    queue = procs.context().SimpleQueue()
+    mp.start_processes(
+        _worker, args=(free_port(), queue, procs.environment()), nprocs=2, start_method=procs.START_METHOD
+    )
     times = queue.get()
     out = {}
     for prefix, (small, large), key in (

@@ -15,9 +15,16 @@ import torch
 from mmpipe.config import RunConfig, from_dict
 
 
-def run(raw: dict[str, Any]) -> None:
-    """Worker body: ``raw`` is a ``RunConfig`` as a dict (picklable across the spawn)."""
+def run(raw: dict[str, Any], env: dict[str, str] | None = None) -> None:
+    """Worker body: ``raw`` is a ``RunConfig`` as a dict (picklable across the process start);
+    ``env`` the launcher's environment (:func:`mmpipe.runtime.procs.adopt_environment`), or
+    ``None`` under torchrun, which starts workers with it."""
+    from mmpipe.runtime.launch import elastic_owned
     from mmpipe.runtime.mesh import init_distributed
+    from mmpipe.runtime.procs import adopt_environment
+
+    if env is not None:
+        adopt_environment(env, keep=elastic_owned)
     from mmpipe.train import build_training_graph, pipeline_dir, run_rank
 
     cfg = from_dict(RunConfig, raw)

@@ -31,7 +31,6 @@ import copy
 import dataclasses
 import datetime
 import logging
-import multiprocessing as mp
 import os
 import queue
 import shutil
@@ -48,6 +47,7 @@ import torch
 import yaml
 
 from mmpipe.config import ServeConfig, to_dict
+from mmpipe.runtime import procs
 from mmpipe.serve.protocol import GenerationRequest, Job, JobStatus, QueueFull
 
 logger = logging.getLogger(__name__)
@@ -116,14 +116,20 @@ class Engine:
         self._closed = False
         self.healthy = True
         self.fatal: str | None = None
-        ctx = mp.get_context("spawn")
+        ctx = procs.context()
         world = cfg.groups
         self._outbox: Any = ctx.Queue()
         self._inboxes: list[Any] = [ctx.Queue() for _ in range(world)]
         threads = cfg.threads or max(1, (os.cpu_count() or 1) // world)
         from mmpipe.runtime.launch import free_port
 
-        init = {"port": free_port(), "world": world, "threads": threads, "run_dir": str(self.run_dir)}
+        init = {
+            "port": free_port(),
+            "world": world,
+            "threads": threads,
+            "run_dir": str(self.run_dir),
+            "env": procs.environment(),
+        }
         options = {k: getattr(cfg, k) for k in ("max_batch", "max_wait_ms")} | {"placement": cfg.placement}
         self._procs = [
             ctx.Process(
@@ -374,6 +380,8 @@ def _worker_main(
     import signal
 
     import mmpipe  # noqa: F401  (sets TRITON_INTERPRET before diffusers imports triton)
+
+    procs.adopt_environment(init["env"])
 
     # A terminal's Ctrl-C reaches the whole process group: the front end drains, then sends "stop".
     signal.signal(signal.SIGINT, signal.SIG_IGN)

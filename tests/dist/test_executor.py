@@ -15,11 +15,12 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
 from torch import nn
 
 from mmpipe.graph import Graph, Stage, TensorSpec
 from mmpipe.runtime.executor import Executor
+from mmpipe.runtime import procs
 from mmpipe.runtime.launch import free_port
 from mmpipe.runtime.mesh import MeshOwner
 from mmpipe.sched.plan import ActionKind, parse_placement
@@ -110,14 +111,14 @@ def _worker(rank: int, world: int, port: int, placement: dict, out: Any) -> None
     ids=["heads-on-two-ranks", "head-a-dp2", "enc-dp2"],
 )
 def test_fan_out_gradients_match_single_process(world: int, placement: dict) -> None:
-    ctx = mp.get_context("spawn")
+    ctx = procs.context()
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, placement, queue)) for r in range(world)]
-    for p in procs:
+    workers = [ctx.Process(target=_worker, args=(r, world, port, placement, queue)) for r in range(world)]
+    for p in workers:
         p.start()
-    results = [queue.get(timeout=120) for _ in procs]
-    for p in procs:
+    results = [queue.get(timeout=120) for _ in workers]
+    for p in workers:
         p.join(timeout=60)
         assert p.exitcode == 0
     grads: dict[str, torch.Tensor] = {}
@@ -163,14 +164,14 @@ def _stalled_worker(rank: int, port: int, out: Any) -> None:
 
 
 def test_a_missing_peer_becomes_an_error_with_the_plan_table() -> None:
-    ctx = mp.get_context("spawn")
+    ctx = procs.context()
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_stalled_worker, args=(r, port, queue)) for r in range(2)]
-    for p in procs:
+    workers = [ctx.Process(target=_stalled_worker, args=(r, port, queue)) for r in range(2)]
+    for p in workers:
         p.start()
-    messages = dict(queue.get(timeout=60) for _ in procs)
-    for p in procs:
+    messages = dict(queue.get(timeout=60) for _ in workers)
+    for p in workers:
         p.join(timeout=30)
     text = messages[1]
     assert "rank 1 failed at step 0 (enc->a:RECV:mb0@r0)" in text

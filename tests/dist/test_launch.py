@@ -68,12 +68,9 @@ def test_cli_launches_two_ranks_and_rejects_bad_placements(tmp_path: Path) -> No
 
 
 def _worker_pids(parent: int) -> list[int]:
-    kids = psutil.Process(parent).children(recursive=True)
-    return [
-        p.pid
-        for p in kids
-        if "multiprocessing" in " ".join(p.cmdline()) and "resource_tracker" not in " ".join(p.cmdline())
-    ]
+    """The training ranks under a ``mmpipe train`` process: the children of its forkserver."""
+    servers = [p for p in psutil.Process(parent).children() if "forkserver" in " ".join(p.cmdline())]
+    return [w.pid for server in servers for w in server.children()]
 
 
 def test_sigkilled_worker_restarts_and_finishes_identically(tmp_path: Path) -> None:

@@ -1,0 +1,52 @@
+"""Local worker processes that start in a fraction of a second.
+
+A spawned worker is a fresh interpreter that imports torch, diffusers and transformers again:
+about 12 s of CPU each, more than most short runs compute. Every process mmpipe starts on this
+machine (training ranks, serving groups, the transport probe) comes instead from one
+``forkserver`` that imported those libraries once: a child is a ``fork`` of it, with nothing
+of the parent's threads, CUDA state or process groups (what makes a plain ``fork`` unsafe).
+
+A forked child inherits the *server's* environment, which was frozen when the server started.
+Launchers pass :func:`environment` (their own, now) and children call :func:`adopt_environment`
+first, so a variable set after the first launch still reaches the workers, as with ``spawn``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.forkserver
+import os
+from collections.abc import Callable, Mapping
+from multiprocessing.context import BaseContext
+
+START_METHOD = "forkserver"
+# Imported once by the server: everything a worker needs (torch, diffusers, transformers).
+PRELOAD = ("mmpipe.runtime.worker", "mmpipe.train", "mmpipe.serve.engine")
+
+
+def context() -> BaseContext:
+    """The multiprocessing context for mmpipe's local workers (the preloading forkserver)."""
+    # Applies when the server starts (the first process this one launches); later calls are no-ops.
+    multiprocessing.set_forkserver_preload(list(PRELOAD))
+    return multiprocessing.get_context(START_METHOD)
+
+
+def start_server() -> None:
+    """Start the server now: its imports (seconds) then overlap the caller's own work before the
+    first launch, e.g. the CLI's imports and the run directory's preparation."""
+    context()
+    multiprocessing.forkserver.ensure_running()
+
+
+def environment() -> dict[str, str]:
+    """This process's environment, for a child to :func:`adopt_environment`."""
+    return dict(os.environ)
+
+
+def adopt_environment(env: Mapping[str, str], keep: Callable[[str], bool] = lambda key: False) -> None:
+    """Make this process's environment the launcher's ``env``, except for the variables ``keep``
+    selects, which stay as this process has them (those its launcher set for it alone)."""
+    kept = {k: v for k, v in os.environ.items() if keep(k)}
+    os.environ.clear()
+    os.environ.update(env)
+    os.environ.update(kept)
