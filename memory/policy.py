@@ -156,6 +156,20 @@ class _BlockScope:
 _ALIGN = 4096  # regions and host buffers start on page boundaries
 
 
+@functools.cache
+def _malloc_trim() -> Callable[[], object] | None:
+    """glibc's ``malloc_trim(0)``, or ``None`` where the C library has none (musl, macOS)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes = [ctypes.c_size_t]
+    return lambda: trim(0)
+
+
 def page_rounded(nbytes: int) -> int:
     """``nbytes`` (at least one) rounded up to whole pages: the size class tiers reuse space by."""
     return -(-max(nbytes, 1) // _ALIGN) * _ALIGN
@@ -164,6 +178,10 @@ def page_rounded(nbytes: int) -> int:
 class FileTier(Tier):
     """Saved tensors as raw bytes in one spill file under ``directory`` (a fresh temporary one by
     default), written by a background thread (see the module docstring)."""
+
+    # Freed bytes between two malloc_trim calls: torch 2.11 (CPU step, 581 MB offloaded) grew its
+    # peak by 604 MB without them, 332 MB with one after each batch written.
+    TRIM_BYTES = 64 << 20
 
     def __init__(
         self, directory: str | Path | None = None, *, max_pending_bytes: int = 256 << 20, batch_bytes: int = 8 << 20
@@ -285,6 +303,7 @@ class FileTier(Tier):
         # a step against keep-everything, +38 % with the writer at normal priority).
         with contextlib.suppress(OSError, AttributeError):  # (per-thread nice: Linux)
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        freed = 0
         while (batch := self._queue.get()) is not None:
             batch.reverse()
             while batch:
@@ -313,6 +332,13 @@ class FileTier(Tier):
                     self._pending -= nbytes
                     self._maybe_restart()
                     self._lock.notify_all()
+                freed += nbytes
+            # The memory written out is free, but glibc keeps freed heap blocks resident (its mmap
+            # threshold rises to each mapped block freed, up to 32 MiB, so later tensors come from
+            # the heap): hand the free pages back, off the forward's path, every TRIM_BYTES freed.
+            if freed >= self.TRIM_BYTES and (trim := _malloc_trim()) is not None:
+                trim()
+                freed = 0
 
     def _release(self, handle: _Spilled) -> None:
         with self._lock:

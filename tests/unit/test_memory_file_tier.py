@@ -162,3 +162,18 @@ def test_a_full_disk_keeps_the_tensor_and_the_next_pack_says_so(monkeypatch: pyt
         tier.pack(torch.ones(3))
     assert torch.equal(tier.unpack(h), t)  # nothing lost
     tier.close()
+
+
+def test_the_writer_hands_freed_memory_back_every_trim_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """glibc keeps freed heap blocks resident; the writer calls ``malloc_trim`` once per
+    ``TRIM_BYTES`` written out (it lowered torch 2.11's peak from +604 MB to +316 MB a CPU step)."""
+    assert policy._malloc_trim() is not None  # glibc: the test machines' C library
+    calls: list[int] = []
+    monkeypatch.setattr(policy, "_malloc_trim", lambda: lambda: calls.append(1))
+    monkeypatch.setattr(FileTier, "TRIM_BYTES", 1 << 20)
+    tier = FileTier(batch_bytes=256 << 10)  # a batch a tensor; the writer checks after each batch
+    handles = [tier.pack(torch.zeros(64 << 10)) for _ in range(10)]  # 256 KiB each: 2.5 MiB
+    tier.flush()
+    assert len(calls) == 2  # after the 4th and the 8th tensor (1 MiB each time)
+    assert all(torch.equal(tier.unpack(h), torch.zeros(64 << 10)) for h in handles)
+    tier.close()
