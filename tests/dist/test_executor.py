@@ -15,12 +15,11 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-
 from torch import nn
 
 from mmpipe.graph import Graph, Stage, TensorSpec
-from mmpipe.runtime.executor import Executor
 from mmpipe.runtime import procs
+from mmpipe.runtime.executor import Executor
 from mmpipe.runtime.launch import free_port
 from mmpipe.runtime.mesh import MeshOwner
 from mmpipe.sched.plan import ActionKind, parse_placement

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
 from mmpipe.runtime import procs
 from mmpipe.runtime.launch import free_port
 
