@@ -14,8 +14,12 @@ tensor of an offloaded block:
 
 Every copy runs on the one side stream of its device, in the order issued: a buffer handed back to
 the pool (when autograd drops the handle) may be refilled at once, since the next copy into it
-comes after the copy out of it. Buffers are pooled by size (pinning memory is slow; the next step
-and micro-batch save tensors of the same sizes), so after the first step nothing is pinned anew.
+comes after the copy out of it. Buffers are pooled (pinning memory is slow; the next step and
+micro-batch save tensors of the same sizes), so after the first step nothing is pinned anew. The
+pool's size classes are powers of two, as PyTorch's caching host allocator rounds pinned blocks
+anyway: a tensor a little longer than last step's (a new video length or resolution bucket) reuses
+its buffer. Whenever every buffer has come back (a step's backwards are done), the idle buffers of
+classes that step did not use are let go, so a run whose shapes change does not pin ever more.
 
 The same code runs on CPU tensors with plain host buffers and synchronous copies. That moves
 nothing off the device (CPU runs offload to :class:`~mmpipe.memory.policy.FileTier`); it is how
@@ -33,7 +37,7 @@ import torch
 
 from mmpipe.memory.policy import Tier, TierStats, _is_dense, _span, page_rounded
 
-__all__ = ["HostTier"]
+__all__ = ["HostTier", "size_class"]
 
 
 class HostTier(Tier):
@@ -45,8 +49,10 @@ class HostTier(Tier):
     def __init__(self, *, pin: bool | None = None) -> None:
         self.pin = torch.cuda.is_available() if pin is None else pin
         self.stats = TierStats()
-        self.pinned_bytes = 0  # host buffer bytes allocated (the pool's size)
+        self.pinned_bytes = 0  # bytes of the host buffers allocated and not let go (held or pooled)
         self._free: dict[tuple[torch.device, int], list[torch.Tensor]] = defaultdict(list)
+        self._taken: set[tuple[torch.device, int]] = set()  # classes taken since all buffers came back
+        self._out = 0  # buffers held by handles
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._closed = False
 
@@ -77,16 +83,24 @@ class HostTier(Tier):
         return _Hosted(self, host, nbytes, data)
 
     def _buffer(self, device: torch.device, nbytes: int) -> torch.Tensor:
-        size = page_rounded(nbytes)
-        free = self._free[(device, size)]
+        key = (device, size_class(nbytes))
+        self._taken.add(key)
+        self._out += 1
+        free = self._free[key]
         if free:
             return free.pop()
-        self.pinned_bytes += size
-        return torch.empty(size, dtype=torch.uint8, pin_memory=self.pin and device.type == "cuda")
+        self.pinned_bytes += key[1]
+        return torch.empty(key[1], dtype=torch.uint8, pin_memory=self.pin and device.type == "cuda")
 
     def _give_back(self, device: torch.device, host: torch.Tensor) -> None:
-        if not self._closed:
-            self._free[(device, host.numel())].append(host)
+        self._out -= 1
+        if self._closed:
+            return
+        self._free[(device, host.numel())].append(host)
+        if self._out == 0:  # every buffer is back: keep the classes this round used
+            for key in [k for k in self._free if k not in self._taken]:
+                self.pinned_bytes -= key[1] * len(self._free.pop(key))
+            self._taken.clear()
 
     def _stream(self, device: torch.device) -> torch.cuda.Stream | None:
         if device.type != "cuda":
@@ -152,6 +166,11 @@ class HostTier(Tier):
         self.flush()
         self._closed = True
         self._free.clear()
+
+
+def size_class(nbytes: int) -> int:
+    """The pool's buffer size for a tensor of ``nbytes``: a power of two, at least a page."""
+    return 1 << (page_rounded(nbytes) - 1).bit_length()
 
 
 class _Hosted:

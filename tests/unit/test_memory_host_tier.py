@@ -12,7 +12,7 @@ import torch
 from test_memory_file_tier import _tensors, check_round_trip
 from test_memory_policy import LAYERS, _inputs, _stage
 
-from mmpipe.memory.host import HostTier
+from mmpipe.memory.host import HostTier, size_class
 from mmpipe.memory.policy import BlockPolicy, apply_block_policies, count_saved_bytes
 
 
@@ -34,6 +34,29 @@ def test_buffers_are_pooled_so_later_steps_allocate_nothing() -> None:
         pool.append(tier.pinned_bytes)
     assert pool[0] == pool[1] == pool[2] > 0
     assert tier.stats.out_bytes == 0
+
+
+def test_changing_sizes_reuse_buffers_and_unused_classes_are_let_go() -> None:
+    """Steps whose tensors grow a little (a longer video bucket) reuse the last step's buffers; once
+    a step's buffers are all back, the classes it did not use leave the pool."""
+    tier = HostTier()
+
+    def run_step(numels: list[int]) -> int:
+        handles = [tier.pack(torch.full((n,), float(n))) for n in numels]
+        assert all(
+            torch.equal(tier.unpack(h), torch.full((n,), float(n))) for h, n in zip(handles, numels, strict=True)
+        )
+        del handles
+        return tier.pinned_bytes
+
+    sizes = [run_step([3900 + 16 * step, 9000 + 16 * step]) for step in range(8)]
+    assert sizes == [size_class(15_600) + size_class(36_000)] * 8  # one buffer per tensor, pinned once
+    # a step of far larger tensors, then one back at the small sizes: only what each step used stays
+    assert run_step([250_000]) == size_class(1_000_000)
+    assert run_step([3900, 9000]) == size_class(15_600) + size_class(36_000)
+    assert sum(len(v) for v in tier._free.values()) == 2
+    # the pool's classes: powers of two, a page at least, each holding its tensor
+    assert [size_class(n) for n in (1, 4096, 4097, 65536, 65537)] == [4096, 4096, 8192, 65536, 131072]
 
 
 def _tagged(tier: HostTier, blocks: list[torch.nn.Module]) -> list[tuple[str, int]]:
