@@ -28,7 +28,7 @@ lint: $(STAMP)
 # mypy cannot follow the package-dir mapping (stages/ -> mmpipe.stages), so it checks a real
 # install of the package into build/typecheck.
 typecheck: $(STAMP)
-	rm -rf build/typecheck
+	rm -rf build/typecheck build/lib  # setuptools never empties build/lib: a stale module there would mask a missing package
 	$(BIN)/pip install -q --no-deps --no-build-isolation --target build/typecheck .
 	cd build/typecheck && ../../$(BIN)/mypy --config-file ../../pyproject.toml -p mmpipe
 

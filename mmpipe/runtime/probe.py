@@ -28,7 +28,7 @@ def _worker(rank: int, port: int, queue: mp.SimpleQueue, env: dict[str, str]) ->
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
     try:
-        out = {}
+        out: dict[int | tuple[str, int], float] = {}  # message bytes; ("all_gather", output bytes)
         for size in SIZES:
             payload = [torch.zeros(size // 4)]
             times = []

@@ -17,14 +17,15 @@ import multiprocessing
 import multiprocessing.forkserver
 import os
 from collections.abc import Callable, Mapping
-from multiprocessing.context import BaseContext
+from multiprocessing.context import ForkServerContext
+from typing import Final
 
-START_METHOD = "forkserver"
+START_METHOD: Final = "forkserver"
 # Imported once by the server: everything a worker needs (torch, diffusers, transformers).
 PRELOAD = ("mmpipe.runtime.worker", "mmpipe.train", "mmpipe.serve.engine")
 
 
-def context() -> BaseContext:
+def context() -> ForkServerContext:
     """The multiprocessing context for mmpipe's local workers (the preloading forkserver)."""
     # Applies when the server starts (the first process this one launches); later calls are no-ops.
     multiprocessing.set_forkserver_preload(list(PRELOAD))

@@ -1,0 +1,1 @@
+"""The training and serving runtime: plan interpreter, launcher, transport, resharding, worker processes."""
