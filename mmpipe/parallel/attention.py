@@ -63,10 +63,19 @@ class AttentionImpl:
         return self.forward is not None and self.backward is not None
 
 
+def _check_cuda_causal(s: int, t: int, causal: bool) -> None:
+    if causal and s != t:  # ATen's SDPA front end refuses the same (check_flash_causal_non_square_seqlens)
+        raise ValueError(
+            f"attention backend 'torch' on CUDA: causal attention with {s} queries and {t} keys: ATen's flash "
+            "kernel aligns the causal mask bottom-right, mmpipe's backends top-left; use backend 'triton' or 'math'"
+        )
+
+
 def _torch_forward(
     q_BHSD: torch.Tensor, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor, causal: bool, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if q_BHSD.is_cuda:
+        _check_cuda_causal(q_BHSD.shape[2], k_BHTD.shape[2], causal)
         out = torch.ops.aten._scaled_dot_product_flash_attention(q_BHSD, k_BHTD, v_BHTD, 0.0, causal, scale=scale)
         return out[0], out[1]
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
@@ -86,11 +95,13 @@ def _torch_backward(
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if q.is_cuda:
-        # The CUDA flash backward takes the sequence bookkeeping of its forward; without dropout the
-        # philox state is unused, so empty tensors stand in for it.
+        _check_cuda_causal(q.shape[2], k.shape[2], causal)
+        # The CUDA flash backward takes its forward's bookkeeping: no cumulative sequence lengths for a
+        # dense batch (undefined tensors, None here; a defined one would select the varlen kernel), and
+        # a philox state that is unused without dropout.
         zero = torch.zeros((), dtype=torch.int64, device=q.device)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            dout, q, k, v, out, lse, zero, zero, q.shape[2], k.shape[2], 0.0, causal, zero, zero, scale=scale
+            dout, q, k, v, out, lse, None, None, q.shape[2], k.shape[2], 0.0, causal, zero, zero, scale=scale
         )
         return dq, dk, dv
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(

@@ -4,7 +4,7 @@ xFormers has no CPU operator, so on CPU its dispatcher is pointed at a reference
 against xFormers' own operator interface (:class:`_ReferenceFwOp`, :class:`_ReferenceBwOp`): the real
 xFormers entry points then run as on a GPU (input validation, BMHK layout, the causal bias class and
 its top-left alignment, ``scale``, the LSE's shape checks and CUTLASS's 32-padding of it), and only the
-arithmetic is the reference's. The CUDA test runs xFormers' own kernels (``benchmarks/gpu_checks.sh``).
+arithmetic is the reference's. xFormers' own kernels are tested on CUDA in test_attention_cuda.py (``benchmarks/gpu_checks.sh``).
 
 Tolerance: the reference operator and the ``math`` backend both compute in float64 and differ only in
 summation order (one matmul against a masked softmax vs ``logsumexp``): rtol = atol = 1e-12.
@@ -168,27 +168,3 @@ def test_xformers_refusals_name_the_value() -> None:
     q = torch.randn(1, 2, 8, 16)
     with pytest.raises(ValueError, match=r"(?s)'xformers' has no kernel for torch.float32 .* on cpu .*device=cpu"):
         local_attention(q, q, q, impl=select_backend("xformers"))
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="xFormers' kernels need CUDA")
-@pytest.mark.parametrize(
-    ("s", "t", "causal"), [(300, 300, False), (300, 300, True), (200, 333, True)], ids=str
-)  # fmt: skip
-def test_xformers_kernels_on_cuda_match_the_float64_reference(s: int, t: int, causal: bool) -> None:
-    """bf16 on the GPU against float64 math on the same inputs: a few bf16 ulps (eps 2^-8) on O(1)
-    values, as the Triton kernels' bf16 tolerance (10 eps). Causal with S != T is top-left aligned,
-    which xFormers' FlashAttention operator refuses, so that case runs its CUTLASS one."""
-    seed = _seed()
-    xf, ref = select_backend("xformers"), select_backend("math")
-    q, k, v = (torch.randn(2, 4, n, 128, device="cuda", dtype=torch.bfloat16) for n in (s, t, t))
-    dout = torch.randn_like(q)
-    out, lse = attention_with_lse(xf, q, k, v, causal=causal, scale=128**-0.5)
-    grads = attention_backward(xf, dout, q, k, v, out, lse, causal=causal, scale=128**-0.5)
-    q64, k64, v64, do64 = (x.double() for x in (q, k, v, dout))
-    out_ref, lse_ref = attention_with_lse(ref, q64, k64, v64, causal=causal, scale=128**-0.5)
-    want = attention_backward(ref, do64, q64, k64, v64, out_ref, lse_ref, causal=causal, scale=128**-0.5)
-    tol = 10 * 2**-8
-    torch.testing.assert_close(out.double(), out_ref, rtol=tol, atol=tol, msg=f"seed {seed}")
-    torch.testing.assert_close(lse.double(), lse_ref, rtol=1e-5, atol=1e-5, msg=f"seed {seed}")
-    for name, g, w in zip("qkv", grads, want, strict=True):
-        torch.testing.assert_close(g.double(), w, rtol=tol, atol=tol, msg=f"d{name}, seed {seed}")
