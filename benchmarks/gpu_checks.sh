@@ -3,12 +3,14 @@
 # tool's `run`): the CUDA tests (pinned host tier, xFormers backend), then the GPU benchmarks,
 # each printing its JSON last line; logs and JSON go to $OUT (or ./gpu-out). Needs, beside the
 # machine's own torch and triton, the project's pure-Python dependencies and xFormers as wheels in
-# .whl/ (the device machine reaches no registry):
+# .whl/ (the device machine reaches no registry), and in .whl/cu12/ the CUDA 12 runtime that xFormers'
+# wheel links (its _C.so needs libcudart.so.12; the machine's torch is a CUDA 13 build):
 #
 #   echo /.whl/ >> .git/info/exclude
-#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-#       -d .whl diffusers hydra-core omegaconf antlr4-python3-runtime==4.9.3 av ftfy xformers==0.0.35
+#   P="--no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64"
+#   P="$P --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64"
+#   python3 -m pip download $P -d .whl diffusers hydra-core omegaconf antlr4-python3-runtime==4.9.3 av ftfy xformers==0.0.35
+#   python3 -m pip download $P -d .whl/cu12 nvidia-cuda-runtime-cu12==12.8.90
 #
 # and then `run(command="bash benchmarks/gpu_checks.sh", carry=[".whl"], timeout_s=560)`. The three steps
 # together are bounded by 510 s, so that with the machine's start the run fits a 15-minute lease.
@@ -20,15 +22,21 @@ SITE=/tmp/mmpipe-site
 if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl
 fi
-# mmpipe's folders install inside its namespace (pyproject's package-dir), so it is installed, not run from source
+if compgen -G ".whl/cu12/*.whl" >/dev/null; then  # outside PYTHONPATH: only its library is wanted
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/mmpipe-cu12 .whl/cu12/*.whl
+    export LD_LIBRARY_PATH="/tmp/mmpipe-cu12/nvidia/cuda_runtime/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
+# mmpipe's folders install inside its namespace (pyproject's package-dir), so it is installed, not run
+# from source; `python3 -P` keeps the checkout's ./mmpipe (which lacks them) off sys.path
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target "$SITE" . || exit 1
 export PYTHONPATH="$SITE" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
 
 status=0
-timeout 90 python3 -m pytest -q -p no:cacheprovider tests/unit/test_memory_host_tier.py tests/unit/test_attention_xformers.py 2>&1 | tee "$OUT/tests.log" || status=1
-timeout 180 python3 benchmarks/memory.py --device cuda --max-frames 40 --cap-frames 8 2>&1 | tee "$OUT/memory.log" || status=1
-TRITON_INTERPRET=0 timeout 240 python3 benchmarks/kernels.py 2>&1 | tee "$OUT/kernels.log" || status=1
+timeout 90 python3 -P -m pytest -q -p no:cacheprovider tests/unit/test_memory_host_tier.py tests/unit/test_attention_cuda.py \
+    tests/unit/test_attention_xformers.py 2>&1 | tee "$OUT/tests.log" || status=1
+timeout 180 python3 -P benchmarks/memory.py --device cuda --max-frames 40 --cap-frames 8 2>&1 | tee "$OUT/memory.log" || status=1
+TRITON_INTERPRET=0 timeout 240 python3 -P benchmarks/kernels.py 2>&1 | tee "$OUT/kernels.log" || status=1
 tail -n 1 "$OUT/memory.log" >"$OUT/memory.json"
 tail -n 1 "$OUT/kernels.log" >"$OUT/kernels.json"
 exit $status

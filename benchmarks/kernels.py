@@ -13,8 +13,12 @@ kernels.
 
 The last output line is one JSON object ``{"device", "interpreted", "ceilings", "results": [...],
 "autotuned": [...]}``, each result with ``kernel``, ``shape``, ``ours_ms``, ``baseline``,
-``baseline_ms``, ``speedup``; ``autotuned`` lists the attention tiles the autotuner chose (GPU only).
-Attention times include no tuning: each shape's first call, which tunes, is ``do_bench``'s warm-up.
+``baseline_ms``, ``speedup`` and, against the first baseline of each kernel and shape, ``max_diff`` (the
+largest absolute difference of output and input gradients: a wrong kernel shows whatever its speed);
+``autotuned`` lists the attention tiles the autotuner chose (GPU only); ``errors`` the sections that
+failed (the others still run; the exit status is then 1). Rows print as they are measured, so a run cut
+short keeps what it measured. Attention times include no tuning: each shape's first call, which
+tunes, is ``do_bench``'s warm-up.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import itertools
 import json
 import statistics
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -47,7 +52,7 @@ def bench(fn: Callable[[], Any]) -> float:
     if CUDA:
         import triton.testing
 
-        return float(triton.testing.do_bench(fn, warmup=25, rep=100))
+        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
     fn()
     times = []
     for _ in range(3):
@@ -81,9 +86,31 @@ def fwd_bwd(fn: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> Callable[
     return run
 
 
+def max_diff(fn: Callable[..., torch.Tensor], base: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> float:
+    """The largest absolute difference between ``fn`` and ``base`` over the output and the gradients of
+    the inputs that require them, for the same upstream gradient: a kernel that computes something
+    else shows here, whatever its speed (bf16 on O(1) values: ~1e-2; NaN is reported as such)."""
+    diffs = []
+    grad = None
+    results = []
+    for f in (fn, base):
+        out = f(*inputs)
+        grad = torch.randn_like(out) if grad is None else grad
+        results.append((out, *torch.autograd.grad(out, [t for t in inputs if t.requires_grad], grad)))
+    for a, b in zip(*results, strict=True):
+        diffs.append((a.float() - b.float()).abs().max().item())
+    return max(diffs, key=lambda d: (d != d, d))  # NaN first
+
+
 def row(kernel: str, shape: str, ours: float, baseline: str, base: float, **extra: float) -> dict[str, Any]:
     r = {"kernel": kernel, "shape": shape, "ours_ms": ours, "baseline": baseline, "baseline_ms": base}
-    return r | {"speedup": base / ours} | extra
+    r |= {"speedup": base / ours} | extra
+    extras = "".join(f"  {k} {v:.3g}" for k, v in extra.items())
+    print(
+        f"{kernel:>19} {shape:>36}  ours {ours:9.3f} ms  {baseline} {base:9.3f} ms  x{base / ours:.2f}{extras}",
+        flush=True,
+    )
+    return r
 
 
 def norm_rows(device: torch.device, dtype: torch.dtype) -> list[dict[str, Any]]:
@@ -96,14 +123,19 @@ def norm_rows(device: torch.device, dtype: torch.dtype) -> list[dict[str, Any]]:
         ours = bench(fwd_bwd(norm_modulate, x, shift, scale))
         eager = bench(fwd_bwd(norm_modulate_reference, x, shift, scale))
         moved = 5 * x.numel() * x.element_size()  # fwd: read x, write y; bwd: read x, dy, write dx
-        out.append(row("norm_modulate", f"B{b} S{s} D{d}", ours, "torch eager", eager, gb_s=moved / ours / 1e6))
+        diff = max_diff(norm_modulate, norm_modulate_reference, x, shift, scale)
+        shape = f"B{b} S{s} D{d}"
+        out.append(row("norm_modulate", shape, ours, "torch eager", eager, gb_s=moved / ours / 1e6, max_diff=diff))
         y = torch.randn_like(x, requires_grad=True)
         gate = torch.randn_like(shift, requires_grad=True)
-        ours = bench(fwd_bwd(lambda *t: sum(gated_norm_modulate(*t)), x, y, gate, shift, scale))
-        eager = bench(fwd_bwd(lambda *t: sum(gated_norm_modulate_reference(*t)), x, y, gate, shift, scale))
+        gated, gated_ref = (lambda *t, f=f: sum(f(*t)) for f in (gated_norm_modulate, gated_norm_modulate_reference))
+        ours = bench(fwd_bwd(gated, x, y, gate, shift, scale))
+        eager = bench(fwd_bwd(gated_ref, x, y, gate, shift, scale))
         moved = 12 * x.numel() * x.element_size()  # fwd: x, y -> h, out; bwd: dout, dh, h, y -> dx, dy, 2 row sums
-        shape = f"B{b} S{s} D{d}"
-        out.append(row("gated_norm_modulate", shape, ours, "torch eager", eager, gb_s=moved / ours / 1e6))
+        diff = max_diff(gated, gated_ref, x, y, gate, shift, scale)
+        out.append(
+            row("gated_norm_modulate", shape, ours, "torch eager", eager, gb_s=moved / ours / 1e6, max_diff=diff)
+        )
     return out
 
 
@@ -113,11 +145,13 @@ def rope_rows(device: torch.device, dtype: torch.dtype) -> list[dict[str, Any]]:
     for grid, heads, dim in cases:
         tokens = grid[0] * grid[1] * grid[2]
         x = torch.randn(1, tokens, heads, dim, device=device, dtype=dtype, requires_grad=True)
-        ours = bench(fwd_bwd(lambda t, g=grid: rope3d(t, g), x))
-        eager = bench(fwd_bwd(lambda t, g=grid: rope3d_reference(t, g), x))
+        ours_fn, eager_fn = (lambda t, g=grid, f=f: f(t, g) for f in (rope3d, rope3d_reference))
+        ours = bench(fwd_bwd(ours_fn, x))
+        eager = bench(fwd_bwd(eager_fn, x))
         moved = 4 * x.numel() * x.element_size()
         shape = f"S{tokens} H{heads} D{dim}"
-        out.append(row("rope3d", shape, ours, "torch eager", eager, gb_s=moved / ours / 1e6))
+        diff = max_diff(ours_fn, eager_fn, x)
+        out.append(row("rope3d", shape, ours, "torch eager", eager, gb_s=moved / ours / 1e6, max_diff=diff))
     return out
 
 
@@ -140,23 +174,40 @@ def attention_rows(device: torch.device, dtype: torch.dtype) -> list[dict[str, A
     cases = [(4096, 24, 128), (16384, 40, 128), (65536, 40, 128)] if CUDA else [(32, 2, 64)]
     for s, h, d in cases:
         q, k, v = (torch.randn(1, h, s, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
-        ours = bench(fwd_bwd(lambda a, b, c: flash_attention(a, b, c), q, k, v))
+        ours_fn = lambda a, b, c: flash_attention(a, b, c)  # noqa: E731
+        ours = bench(fwd_bwd(ours_fn, q, k, v))  # its first call, which autotunes, is do_bench's warm-up
         flops = 4 * s * s * h * d * 3.5  # forward (2 matmuls) + backward (5 matmuls), 2 FLOPs each
         shape = f"S{s} H{h} D{d}"
         base = bench(fwd_bwd(sdpa, q, k, v))
-        out.append(row("attention", shape, ours, "sdpa flash" if CUDA else "sdpa", base, tflops=flops / ours / 1e9))
-        try:
-            import xformers.ops as xops
-
-            xf = bench(
-                fwd_bwd(
-                    lambda a, b, c: xops.memory_efficient_attention(a, b, c), *(t.transpose(1, 2) for t in (q, k, v))
-                )
-            )
+        diff = max_diff(ours_fn, sdpa, q, k, v)
+        name = "sdpa flash" if CUDA else "sdpa"
+        out.append(row("attention", shape, ours, name, base, tflops=flops / ours / 1e9, max_diff=diff))
+        if xformers_attention is not None:
+            try:  # no CUDA operator loaded (e.g. its wheel's CUDA runtime missing) is a note, not the end of the run
+                xf = bench(fwd_bwd(xformers_attention, q, k, v))
+            except Exception as e:
+                print(f"xformers baseline at {shape} skipped: {type(e).__name__}: {e}", flush=True)
+                continue
             out.append(row("attention", shape, ours, "xformers", xf, tflops=flops / ours / 1e9))
-        except ImportError:
-            pass
     return out
+
+
+def _xformers_attention() -> Callable[..., torch.Tensor] | None:
+    """xFormers' ``memory_efficient_attention`` on BHSD tensors, or None where it is not installed or does
+    not load (its message is printed)."""
+    try:
+        import xformers.ops as xops
+    except Exception as e:  # (an ImportError, or an OSError from its compiled extension)
+        print(f"xformers baseline skipped: {type(e).__name__}: {e}", flush=True)
+        return None
+
+    def attn(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        return xops.memory_efficient_attention(*(t.transpose(1, 2) for t in (a, b, c))).transpose(1, 2)
+
+    return attn
+
+
+xformers_attention = _xformers_attention() if CUDA else None  # no CPU operator
 
 
 def varlen_attention_rows(device: torch.device, dtype: torch.dtype) -> list[dict[str, Any]]:
@@ -181,17 +232,20 @@ def varlen_rows(lens: list[int], h: int, d: int, device: torch.device, dtype: to
     mx = max(lens)
 
     def per_sequence(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-        bhsd = [(t[r].transpose(0, 1)[None] for t in (a, b, c)) for r in spans]
+        # lists: a generator of t[r] would read r after the loop had moved on to the last span
+        bhsd = [[t[r].transpose(0, 1)[None] for t in (a, b, c)] for r in spans]
         return torch.cat([sdpa(*x)[0].transpose(0, 1) for x in bhsd])
 
-    ours = bench(fwd_bwd(lambda a, b, c: flash_attn_varlen(a, b, c, cu, cu, mx, mx), q, k, v))
+    ours_fn = lambda a, b, c: flash_attn_varlen(a, b, c, cu, cu, mx, mx)  # noqa: E731
+    ours = bench(fwd_bwd(ours_fn, q, k, v))
     base = bench(fwd_bwd(per_sequence, q, k, v))
     eager = bench(fwd_bwd(lambda a, b, c: attention_varlen_reference(a, b, c, cu, cu, False, d**-0.5)[0], q, k, v))
     tflops = sum(4 * s * s * h * d * 3.5 for s in lens) / ours / 1e9  # as attention_rows, per sequence
     shape = f"{len(lens)} seqs total {sum(lens)} max {mx} H{h} D{d}"
     sdpa_name = "sdpa flash per sequence" if CUDA else "sdpa per sequence"
+    diff = max_diff(ours_fn, per_sequence, q, k, v)
     return [
-        row("attention_varlen", shape, ours, sdpa_name, base, tflops=tflops),
+        row("attention_varlen", shape, ours, sdpa_name, base, tflops=tflops, max_diff=diff),
         row("attention_varlen", shape, ours, "torch eager per sequence", eager, tflops=tflops),
     ]
 
@@ -216,14 +270,23 @@ def main() -> None:
     device = torch.device("cuda" if CUDA else "cpu")
     dtype = torch.bfloat16 if CUDA else torch.float32
     name = torch.cuda.get_device_name() if CUDA else "cpu (Triton interpreter, tiny shapes: times are not kernel speed)"
-    results = norm_rows(device, dtype) + rope_rows(device, dtype) + attention_rows(device, dtype)
-    results += varlen_attention_rows(device, dtype)
-    for r in results:
-        print(
-            f"{r['kernel']:>16} {r['shape']:>36}  ours {r['ours_ms']:9.3f} ms  {r['baseline']} {r['baseline_ms']:9.3f} ms  x{r['speedup']:.2f}"
-        )
-    report = {"device": name, "interpreted": not CUDA, "ceilings": ceilings(device), "results": results}
-    print(json.dumps(report | {"autotuned": autotuned()}))
+    ceiling = ceilings(device)
+    print(f"{name}: matmul {ceiling['matmul_tflops']:.1f} TFLOP/s, copy {ceiling['copy_gb_s']:.0f} GB/s", flush=True)
+    results: list[dict[str, Any]] = []
+    errors = []
+    # Rows print as they are measured; a section that fails is reported and the others still run.
+    for section in (norm_rows, rope_rows, attention_rows, varlen_attention_rows):
+        try:
+            results += section(device, dtype)
+        except Exception as e:
+            traceback.print_exc()
+            errors.append({"section": section.__name__, "error": f"{type(e).__name__}: {e}"})
+        if CUDA:
+            torch.cuda.empty_cache()
+    report = {"device": name, "interpreted": not CUDA, "ceilings": ceiling, "results": results}
+    print(json.dumps(report | {"autotuned": autotuned(), "errors": errors}))
+    if errors:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -895,6 +895,26 @@ class _Layout(NamedTuple):
         return (0, *t.stride())  # LSE / delta (H, total)
 
 
+_MAX_GRID_Y = 65535  # CUDA's limit on a grid's second axis, which carries the (sequence, head) pairs
+
+
+def _layout(
+    n_seqs: int,
+    heads: int,
+    s_max: int,
+    t_max: int,
+    cu_q: torch.Tensor | None = None,
+    cu_k: torch.Tensor | None = None,
+) -> _Layout:
+    """The layout, refused (before any launch) when its (sequence, head) pairs overflow the grid."""
+    if n_seqs * heads > _MAX_GRID_Y:
+        raise ValueError(
+            f"flash attention: {n_seqs} sequences x {heads} heads = {n_seqs * heads} (sequence, head) pairs, more "
+            f"than a launch grid holds ({_MAX_GRID_Y}); split the batch"
+        )
+    return _Layout(n_seqs, heads, s_max, t_max, cu_q, cu_k)
+
+
 def _meta(dtype: torch.dtype, D: int, causal: bool, varlen: bool, blocks: tuple[int, int] | None) -> dict[str, Any]:
     """The kernels' compile-time arguments; ``blocks`` (``BLOCK_M``, ``BLOCK_N``) overrides the tiles (tests).
     Where the launch autotunes (:func:`_tunes`) the tiles, warps and stages are left to the tuner."""
@@ -1028,7 +1048,7 @@ def _forward(
     out_BHSD = _poisoned(q_BHSD.shape, q_BHSD.dtype, q_BHSD.device)
     lse_BHS = _poisoned((B, H, S), _acc_dtype(q_BHSD.dtype), q_BHSD.device)
     if B * H * S > 0:
-        layout = _Layout(B, H, S, k_BHTD.shape[2])
+        layout = _layout(B, H, S, k_BHTD.shape[2])
         _launch_forward(q_BHSD, k_BHTD, v_BHTD, out_BHSD, lse_BHS, layout, causal, scale, blocks)
     return out_BHSD, lse_BHS
 
@@ -1062,7 +1082,7 @@ def _backward(
         return dq_BHSD, dk_BHTD, dv_BHTD
     if S == 0:  # no query: no gradient reaches the keys
         return dq_BHSD, dk_BHTD.zero_(), dv_BHTD.zero_()
-    layout = _Layout(B, H, S, k_BHTD.shape[2])
+    layout = _layout(B, H, S, k_BHTD.shape[2])
     _launch_backward(dout_BHSD, q_BHSD, k_BHTD, v_BHTD, out_BHSD, lse_BHS, grads, layout, causal, scale, blocks)
     return dq_BHSD, dk_BHTD, dv_BHTD
 
@@ -1082,7 +1102,7 @@ def _varlen_layout(
     _check_cu_seqlens(cu_seqlens_k, k_RHD.shape[0], max_seqlen_k, "cu_seqlens_k")
     _check_runnable(q_PHD, k_RHD, v_RHD, cu_seqlens_q, cu_seqlens_k)
     n_seqs = cu_seqlens_q.numel() - 1
-    return _Layout(n_seqs, q_PHD.shape[1], max_seqlen_q, max_seqlen_k, cu_seqlens_q, cu_seqlens_k)
+    return _layout(n_seqs, q_PHD.shape[1], max_seqlen_q, max_seqlen_k, cu_seqlens_q, cu_seqlens_k)
 
 
 def _varlen_forward(

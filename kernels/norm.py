@@ -49,7 +49,7 @@ if AVAILABLE:
         S, D, mod_sb, mod_ss, eps,
         RMS: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr,
     ):  # fmt: skip
-        row = tl.program_id(0)
+        row = tl.program_id(0).to(tl.int64)  # row * D passes 2**31 at a few samples of 64k tokens x 5120
         b = row // S
         s = row % S
         cols = tl.arange(0, BLOCK_D)
@@ -70,7 +70,7 @@ if AVAILABLE:
         S, D, mod_sb, mod_ss,
         RMS: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr,
     ):  # fmt: skip
-        row = tl.program_id(0)
+        row = tl.program_id(0).to(tl.int64)  # row * D passes 2**31 at a few samples of 64k tokens x 5120
         b = row // S
         s = row % S
         cols = tl.arange(0, BLOCK_D)
@@ -91,7 +91,7 @@ if AVAILABLE:
         S, D, mod_sb, mod_ss, eps,
         RMS: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr,
     ):  # fmt: skip
-        row = tl.program_id(0)
+        row = tl.program_id(0).to(tl.int64)  # row * D passes 2**31 at a few samples of 64k tokens x 5120
         b = row // S
         s = row % S
         cols = tl.arange(0, BLOCK_D)
@@ -117,7 +117,7 @@ if AVAILABLE:
         S, D, mod_sb, mod_ss,
         RMS: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr,
     ):  # fmt: skip
-        row = tl.program_id(0)
+        row = tl.program_id(0).to(tl.int64)  # row * D passes 2**31 at a few samples of 64k tokens x 5120
         b = row // S
         s = row % S
         cols = tl.arange(0, BLOCK_D)

@@ -34,7 +34,7 @@ if AVAILABLE:
         HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr,
         INVERSE: tl.constexpr,
     ):  # fmt: skip
-        row = tl.program_id(0)  # one token of one sample: all its heads
+        row = tl.program_id(0).to(tl.int64)  # one token of one sample, all its heads (row * N * D passes 2**31)
         g = row % S + token_offset
         f = g // (GH * GW)
         h = (g // GW) % GH

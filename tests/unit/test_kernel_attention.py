@@ -263,6 +263,19 @@ def test_head_dim_is_checked(D: int) -> None:
         fa.flash_attn_fwd(q, q, q, False, 1.0)
 
 
+def test_too_many_sequence_head_pairs_are_refused_before_a_launch() -> None:
+    # CUDA grids hold 65535 programs on their second axis, which carries the (sequence, head) pairs
+    q = torch.zeros(32768, 2, 1, 16)
+    with pytest.raises(ValueError, match=r"32768 sequences x 2 heads = 65536 .* \(65535\); split the batch"):
+        fa.flash_attn_fwd(q, q, q, False, 1.0)
+    lse = torch.zeros(32768, 2, 1)
+    with pytest.raises(ValueError, match="65536 .* pairs"):
+        fa.flash_attn_bwd(q, q, q, q, q, lse, False, 1.0)
+    cu = torch.arange(32769, dtype=torch.int32)
+    with pytest.raises(ValueError, match="32768 sequences x 2 heads"):
+        fa.flash_attn_varlen(q[:, :, 0], q[:, :, 0], q[:, :, 0], cu, cu, 1, 1)
+
+
 def test_cannot_run_names_why(monkeypatch: pytest.MonkeyPatch) -> None:
     q = torch.zeros(1, 1, 4, 16)
     monkeypatch.setattr(fa, "can_run", lambda *t: False)
