@@ -33,7 +33,7 @@ export PYTHONPATH="$SITE" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
 
 status=0
-timeout 90 python3 -P -m pytest -q -p no:cacheprovider tests/unit/test_memory_host_tier.py tests/unit/test_attention_cuda.py \
+TRITON_INTERPRET=0 timeout 90 python3 -P -m pytest -q -p no:cacheprovider tests/unit/test_memory_host_tier.py tests/unit/test_attention_cuda.py \
     tests/unit/test_attention_xformers.py 2>&1 | tee "$OUT/tests.log" || status=1
 timeout 180 python3 -P benchmarks/memory.py --device cuda --max-frames 40 --cap-frames 8 2>&1 | tee "$OUT/memory.log" || status=1
 TRITON_INTERPRET=0 timeout 240 python3 -P benchmarks/kernels.py 2>&1 | tee "$OUT/kernels.log" || status=1

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+# The kernel tests run Triton's interpreter on CPU tensors on every machine: `import mmpipe` turns it
+# on only where there is no GPU, and on a GPU machine those tests would otherwise refuse their CPU
+# tensors. Set before the first `import triton`; an explicit TRITON_INTERPRET (gpu_checks.sh: 0) wins.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 

@@ -16,7 +16,7 @@ import torch
 from diffusers import WanTransformer3DModel
 from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
 
-from mmpipe.kernels import _triton
+from mmpipe.kernels import _triton, registry
 from mmpipe.kernels.norm import (
     gated_norm_modulate,
     gated_norm_modulate_reference,
@@ -108,9 +108,14 @@ def test_rope3d_equals_diffusers_wan_rotary_and_a_shard_takes_its_offset() -> No
         rope3d(x[:, :20], grid, token_offset=50)
 
 
-def test_registry_resolves_and_refuses_by_key() -> None:
-    assert resolve(KernelChoice(rope="auto")).rope == ("triton" if torch.cuda.is_available() else "torch")
-    assert resolve(KernelChoice(norm_modulate="triton")).norm_modulate == "triton"  # interpreted here
+def test_registry_resolves_and_refuses_by_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert resolve(KernelChoice(rope="auto")).rope == "torch"  # auto takes Triton for CUDA devices only
+    assert resolve(KernelChoice(rope="auto"), "cuda").rope == "triton"
+    monkeypatch.setattr(registry, "INTERPRETED", True)
+    assert resolve(KernelChoice(norm_modulate="triton")).norm_modulate == "triton"  # interpreted on the CPU
+    monkeypatch.setattr(registry, "INTERPRETED", False)
+    with pytest.raises(ValueError, match=r"model.kernels.norm_modulate=triton: no CUDA device; set TRITON_INTERPRET=1"):
+        resolve(KernelChoice(norm_modulate="triton"))
     with pytest.raises(ValueError, match=r"model.kernels.rope='cuda': choose from"):
         resolve(KernelChoice(rope="cuda"))
     with pytest.raises(ValueError, match=r"model.kernels.norm_modulate='xformers'"):
