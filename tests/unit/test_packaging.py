@@ -7,6 +7,7 @@ install and is missing from a wheel: ``mmpipe.runtime`` once was, and every stag
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -60,3 +61,11 @@ def test_a_real_install_holds_every_module(tmp_path: Path) -> None:
     installed = {str(p.relative_to(site)) for p in (site / "mmpipe").rglob("*.py")}
     assert _source_modules() - installed == set()
     assert (site / "mmpipe" / "configs" / "train.yaml").is_file()
+    # and every module imports from the install alone (-P, elsewhere: no checkout on sys.path)
+    walk = (
+        f"import importlib, pkgutil, mmpipe; assert mmpipe.__file__.startswith({str(site)!r}), mmpipe.__file__; "
+        "[importlib.import_module(m.name) for m in pkgutil.walk_packages(mmpipe.__path__, 'mmpipe.')]"
+    )
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    done = subprocess.run([sys.executable, "-P", "-c", walk], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
