@@ -215,9 +215,12 @@ def _xformers_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from xformers.ops import fmha
 
+    # Contiguous BSHD `out`: the CUTLASS backward (ATen's, which xFormers dispatches for 16-bit causal
+    # S != T) reads it with a row stride of heads x head_dim whatever its strides (`o_strideM()` in
+    # kernel_backward.h); the transpose of a ring's merged, contiguous BHSD output has another.
     dq, dk, dv = fmha.memory_efficient_attention_backward(
-        dout.transpose(1, 2),
-        out.transpose(1, 2),
+        dout.transpose(1, 2).contiguous(),
+        out.transpose(1, 2).contiguous(),
         lse.contiguous(),
         q.transpose(1, 2),
         k.transpose(1, 2),
