@@ -9,10 +9,13 @@
 #   echo /.whl/ >> .git/info/exclude
 #   P="--no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64"
 #   P="$P --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64"
-#   python3 -m pip download $P -d .whl diffusers hydra-core omegaconf antlr4-python3-runtime==4.9.3 av ftfy wcwidth xformers==0.0.35
+#   python3 -m pip download $P -d .whl diffusers==0.42.1 hydra-core==1.3.8 omegaconf==2.3.1 av==18.1.0 ftfy==6.3.1 \
+#       wcwidth xformers==0.0.35
+#   python3 -m pip wheel --no-deps -w .whl antlr4-python3-runtime==4.9.3   # omegaconf's; PyPI has no wheel of it
 #   python3 -m pip download $P -d .whl/cu12 nvidia-cuda-runtime-cu12==12.8.90
 #
-# (ftfy, which diffusers' Wan pipeline imports where installed, needs wcwidth) and then
+# (46 MB; the versions CI's venv resolved on 2026-12-03, checked to download; ftfy, which diffusers' Wan pipeline
+# imports where installed, needs wcwidth) and then
 # `run(command="bash benchmarks/gpu_checks.sh", carry=[".whl"], timeout_s=560)`. The steps together are
 # bounded by 510 s, so that with the machine's start the run fits a 15-minute lease; the kernel benchmark
 # gets what the others left, and on its limit prints what it measured (SIGTERM) before it is killed.
