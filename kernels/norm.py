@@ -7,7 +7,11 @@ computed in float32 (float64 for float64 inputs) and returned in ``x``'s dtype. 
 
 One Triton program normalises one row (token) in registers and applies the modulation in the same
 pass: one read of ``x`` and one write of the output instead of eager PyTorch's five elementwise
-kernels. The backward recomputes the row statistics it saved (mean and 1/std, 8 bytes a token).
+kernels. The backward recomputes the row statistics it saved (mean and 1/std, 8 bytes a token). A
+backward program takes several rows of one sample and, for per-sample modulation, sums its gradients
+over them in registers, writing one float32 partial per program (summed by PyTorch) instead of a
+full-size float32 product per token that is then read back: at 64k tokens x 5120 that is ~20 MB, not
+1.3 GB, written and read.
 
 Legend: B batch, S tokens, D channels.
 """
@@ -66,24 +70,44 @@ if AVAILABLE:
 
     @triton.jit
     def _norm_modulate_bwd_kernel(
-        dy_ptr, x_ptr, scale_ptr, mean_ptr, rstd_ptr, dx_ptr, dyxhat_ptr,
-        S, D, mod_sb, mod_ss,
-        RMS: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr,
+        dy_ptr, x_ptr, scale_ptr, mean_ptr, rstd_ptr, dx_ptr, dshift_ptr, dscale_ptr,
+        S, D, mod_sb, mod_ss, ROWS,
+        RMS: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr, PER_TOKEN: tl.constexpr,
     ):  # fmt: skip
-        row = tl.program_id(0).to(tl.int64)  # row * D passes 2**31 at a few samples of 64k tokens x 5120
-        b = row // S
-        s = row % S
+        """``ROWS`` rows of one sample. Per-token modulation: each row's shift and scale gradients are
+        stored; per sample: summed in registers over the rows, one partial per program."""
+        chunk = tl.program_id(0)
+        b = tl.program_id(1).to(tl.int64)
         cols = tl.arange(0, BLOCK_D)
         mask = cols < D
-        x = tl.load(x_ptr + row * D + cols, mask=mask, other=0.0).to(ACC)
-        dy = tl.load(dy_ptr + row * D + cols, mask=mask, other=0.0).to(ACC)
-        scale = tl.load(scale_ptr + b * mod_sb + s * mod_ss + cols, mask=mask, other=0.0).to(ACC)
-        mean = tl.load(mean_ptr + row)
-        rstd = tl.load(rstd_ptr + row)
-        xhat = tl.where(mask, (x - mean) * rstd, 0.0)
-        dx = _normalize_backward(dy * (1.0 + scale), xhat, rstd, D, RMS)
-        tl.store(dx_ptr + row * D + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
-        tl.store(dyxhat_ptr + row * D + cols, dy * xhat, mask=mask)
+        scale = tl.load(scale_ptr + b * mod_sb + cols, mask=mask, other=0.0).to(ACC)  # per sample
+        dshift_acc = tl.zeros([BLOCK_D], ACC)
+        dscale_acc = tl.zeros([BLOCK_D], ACC)
+        for i in range(0, ROWS):
+            s = chunk * ROWS + i
+            ok = s < S
+            m = mask & (cols * 0 + s < S)  # a vector compare: Triton's interpreter refuses `mask & ok`
+            row = b * S + s  # 64-bit: row * D passes 2**31 at a few samples of 64k tokens x 5120
+            if PER_TOKEN:
+                scale = tl.load(scale_ptr + b * mod_sb + s * mod_ss + cols, mask=m, other=0.0).to(ACC)
+            x = tl.load(x_ptr + row * D + cols, mask=m, other=0.0).to(ACC)
+            dy = tl.load(dy_ptr + row * D + cols, mask=m, other=0.0).to(ACC)
+            safe = tl.where(ok, row, 0)  # a row past the end reads row 0's statistics; its x and dy are 0
+            mean = tl.load(mean_ptr + safe)
+            rstd = tl.load(rstd_ptr + safe)
+            xhat = tl.where(m, (x - mean) * rstd, 0.0)
+            dx = _normalize_backward(dy * (1.0 + scale), xhat, rstd, D, RMS)
+            tl.store(dx_ptr + row * D + cols, dx.to(dx_ptr.dtype.element_ty), mask=m)
+            if PER_TOKEN:
+                tl.store(dshift_ptr + row * D + cols, dy, mask=m)
+                tl.store(dscale_ptr + row * D + cols, dy * xhat, mask=m)
+            else:  # rows past the sample's end load zeros and add nothing
+                dshift_acc += dy
+                dscale_acc += dy * xhat
+        if not PER_TOKEN:
+            partial = (b * tl.num_programs(0) + chunk) * D
+            tl.store(dshift_ptr + partial + cols, dshift_acc, mask=mask)
+            tl.store(dscale_ptr + partial + cols, dscale_acc, mask=mask)
 
     @triton.jit
     def _gated_fwd_kernel(
@@ -113,35 +137,72 @@ if AVAILABLE:
     @triton.jit
     def _gated_bwd_kernel(
         dout_ptr, dh_ptr, h_ptr, y_ptr, gate_ptr, scale_ptr, mean_ptr, rstd_ptr,
-        dx_ptr, dy_ptr, dgate_ptr, doutxhat_ptr,
-        S, D, mod_sb, mod_ss,
-        RMS: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr,
+        dx_ptr, dy_ptr, dgate_ptr, dscale_ptr,
+        S, D, mod_sb, mod_ss, ROWS,
+        RMS: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr, PER_TOKEN: tl.constexpr,
     ):  # fmt: skip
-        row = tl.program_id(0).to(tl.int64)  # row * D passes 2**31 at a few samples of 64k tokens x 5120
-        b = row // S
-        s = row % S
+        """``ROWS`` rows of one sample; the gate and scale gradients as in the norm's backward (the shift's,
+        ``dout`` summed, is left to PyTorch: a third running sum would not fit the registers)."""
+        chunk = tl.program_id(0)
+        b = tl.program_id(1).to(tl.int64)
         cols = tl.arange(0, BLOCK_D)
         mask = cols < D
-        mod = b * mod_sb + s * mod_ss + cols
-        h = tl.load(h_ptr + row * D + cols, mask=mask, other=0.0).to(ACC)
-        dout = tl.load(dout_ptr + row * D + cols, mask=mask, other=0.0).to(ACC)
-        dh = tl.load(dh_ptr + row * D + cols, mask=mask, other=0.0).to(ACC)
-        y = tl.load(y_ptr + row * D + cols, mask=mask, other=0.0).to(ACC)
-        gate = tl.load(gate_ptr + mod, mask=mask, other=0.0).to(ACC)
-        scale = tl.load(scale_ptr + mod, mask=mask, other=0.0).to(ACC)
-        mean = tl.load(mean_ptr + row)
-        rstd = tl.load(rstd_ptr + row)
-        hhat = tl.where(mask, (h - mean) * rstd, 0.0)
-        # the residual stream's gradient: its later uses plus the norm's
-        dtotal = dh + _normalize_backward(dout * (1.0 + scale), hhat, rstd, D, RMS)
-        tl.store(dx_ptr + row * D + cols, dtotal.to(dx_ptr.dtype.element_ty), mask=mask)
-        tl.store(dy_ptr + row * D + cols, (dtotal * gate).to(dy_ptr.dtype.element_ty), mask=mask)
-        tl.store(dgate_ptr + row * D + cols, dtotal * y, mask=mask)
-        tl.store(doutxhat_ptr + row * D + cols, dout * hhat, mask=mask)
+        dgate_acc = tl.zeros([BLOCK_D], ACC)
+        dscale_acc = tl.zeros([BLOCK_D], ACC)
+        for i in range(0, ROWS):
+            s = chunk * ROWS + i
+            ok = s < S
+            m = mask & (cols * 0 + s < S)  # a vector compare: Triton's interpreter refuses `mask & ok`
+            row = b * S + s  # 64-bit
+            # reloaded per row even when per sample (mod_ss 0: an L1/L2 hit), which keeps two row
+            # vectors out of the registers the running sums need
+            mod = b * mod_sb + s * mod_ss + cols
+            gate = tl.load(gate_ptr + mod, mask=m, other=0.0).to(ACC)
+            scale = tl.load(scale_ptr + mod, mask=m, other=0.0).to(ACC)
+            h = tl.load(h_ptr + row * D + cols, mask=m, other=0.0).to(ACC)
+            dout = tl.load(dout_ptr + row * D + cols, mask=m, other=0.0).to(ACC)
+            dh = tl.load(dh_ptr + row * D + cols, mask=m, other=0.0).to(ACC)
+            y = tl.load(y_ptr + row * D + cols, mask=m, other=0.0).to(ACC)
+            safe = tl.where(ok, row, 0)  # as in the norm's backward
+            mean = tl.load(mean_ptr + safe)
+            rstd = tl.load(rstd_ptr + safe)
+            hhat = tl.where(m, (h - mean) * rstd, 0.0)
+            # the residual stream's gradient: its later uses plus the norm's
+            dtotal = dh + _normalize_backward(dout * (1.0 + scale), hhat, rstd, D, RMS)
+            tl.store(dx_ptr + row * D + cols, dtotal.to(dx_ptr.dtype.element_ty), mask=m)
+            tl.store(dy_ptr + row * D + cols, (dtotal * gate).to(dy_ptr.dtype.element_ty), mask=m)
+            if PER_TOKEN:
+                tl.store(dgate_ptr + row * D + cols, dtotal * y, mask=m)
+                tl.store(dscale_ptr + row * D + cols, dout * hhat, mask=m)
+            else:
+                dgate_acc += dtotal * y
+                dscale_acc += dout * hhat
+        if not PER_TOKEN:
+            partial = (b * tl.num_programs(0) + chunk) * D
+            tl.store(dgate_ptr + partial + cols, dgate_acc, mask=mask)
+            tl.store(dscale_ptr + partial + cols, dscale_acc, mask=mask)
 
 
 def _acc_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _rows_per_program(B: int, S: int, device: torch.device) -> int:
+    """Rows one backward program takes. Its per-sample modulation gradients are summed in registers over
+    them and written once, so the partials cost ``B * S / rows`` rows of float32 instead of ``B * S``:
+    about 8 programs an SM on a GPU. Interpreted: 3, so test shapes have several programs a sample and a
+    ragged last one."""
+    if device.type != "cuda":
+        return 3
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, triton.cdiv(B * S, 8 * sms))
+
+
+def _mod_grads(like: torch.Tensor, B: int, S: int, D: int, chunks: int, acc: torch.dtype) -> torch.Tensor:
+    """A poisoned buffer for a modulation gradient: per token ``(B, S, D)``, or per sample one partial
+    sum per backward program ``(B, chunks, D)``."""
+    per_token = like.shape[1] == S and S > 1
+    return torch.full((B, S if per_token else chunks, D), float("nan"), dtype=acc, device=like.device)
 
 
 def _row_meta(D: int, acc: torch.dtype, rms: bool) -> dict[str, Any]:
@@ -214,17 +275,16 @@ def _bwd(
     mod_sb, mod_ss = _check(x, scale, scale)
     B, S, D = x.shape
     dy, x, scale = dy.contiguous(), x.contiguous(), scale.contiguous()
+    rows = _rows_per_program(B, S, x.device)
+    chunks = triton.cdiv(S, rows)
     dx = torch.full_like(x, float("nan"))
-    dyxhat = torch.full(x.shape, float("nan"), dtype=mean.dtype, device=x.device)
+    dshift, dscale = (_mod_grads(scale, B, S, D, chunks, mean.dtype) for _ in range(2))
     if B * S:
-        _norm_modulate_bwd_kernel[(B * S,)](
-            dy, x, scale, mean, rstd, dx, dyxhat, S, D, mod_sb, mod_ss,
-            **_row_meta(D, mean.dtype, rms),
+        _norm_modulate_bwd_kernel[(chunks, B)](
+            dy, x, scale, mean, rstd, dx, dshift, dscale, S, D, mod_sb, mod_ss, rows,
+            PER_TOKEN=mod_ss != 0, **_row_meta(D, mean.dtype, rms),
         )  # fmt: skip
-    per_token = scale.shape[1] == S and S > 1
-    dshift = dy.to(mean.dtype, copy=True) if per_token else dy.to(mean.dtype).sum(1, keepdim=True)
-    dscale = dyxhat if per_token else dyxhat.sum(1, keepdim=True)
-    return dx, dshift.to(scale.dtype), dscale.to(scale.dtype, copy=per_token and scale.dtype == mean.dtype)
+    return dx, _reduce_mod(dshift, scale), _reduce_mod(dscale, scale)
 
 
 @_bwd.register_fake
@@ -273,10 +333,11 @@ def gated_norm_modulate_reference(
     return h, norm_modulate_reference(h, shift, scale, rms=rms, eps=eps)
 
 
-def _reduce_mod(rows: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """Per-row contributions summed to the modulation's shape (``B1D``) or kept (``BSD``)."""
-    per_token = like.shape[1] == rows.shape[1] and rows.shape[1] > 1
-    return (rows if per_token else rows.sum(1, keepdim=True)).to(like.dtype, copy=True)
+def _reduce_mod(grads: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A modulation gradient from :func:`_mod_grads`' buffer, in ``like``'s shape and dtype: per token as
+    it is, per sample the programs' partial sums added up."""
+    per_token = like.shape[1] > 1
+    return (grads if per_token else grads.sum(1, keepdim=True)).to(like.dtype)
 
 
 @torch.library.custom_op("mmpipe::gated_norm_modulate_fwd", mutates_args=())
@@ -329,18 +390,21 @@ def _gated_bwd(
     rms: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     mod_sb, mod_ss = _check(h, scale, scale)
+    _check(h, gate, scale)
     B, S, D = h.shape
     dout, dh, h, y, gate, scale = (t.contiguous() for t in (dout, dh, h, y, gate, scale))
+    rows = _rows_per_program(B, S, h.device)
+    chunks = triton.cdiv(S, rows)
     dx, dy = torch.full_like(h, float("nan")), torch.full_like(y, float("nan"))
-    dgate_rows = torch.full(h.shape, float("nan"), dtype=mean.dtype, device=h.device)
-    doutxhat = torch.full(h.shape, float("nan"), dtype=mean.dtype, device=h.device)
+    dgate, dscale = (_mod_grads(scale, B, S, D, chunks, mean.dtype) for _ in range(2))
     if B * S:
-        _gated_bwd_kernel[(B * S,)](
-            dout, dh, h, y, gate, scale, mean, rstd, dx, dy, dgate_rows, doutxhat, S, D, mod_sb, mod_ss,
-            **_row_meta(D, mean.dtype, rms),
+        _gated_bwd_kernel[(chunks, B)](
+            dout, dh, h, y, gate, scale, mean, rstd, dx, dy, dgate, dscale, S, D, mod_sb, mod_ss, rows,
+            PER_TOKEN=mod_ss != 0, **_row_meta(D, mean.dtype, rms),
         )  # fmt: skip
-    dshift = _reduce_mod(dout.to(mean.dtype), scale)
-    return dx, dy, _reduce_mod(dgate_rows, gate), dshift, _reduce_mod(doutxhat, scale)
+    per_token = scale.shape[1] > 1  # the shift's gradient: dout itself, or summed over the tokens (one read)
+    dshift = dout.to(scale.dtype, copy=True) if per_token else dout.sum(1, keepdim=True, dtype=mean.dtype)
+    return dx, dy, _reduce_mod(dgate, gate), dshift.to(scale.dtype), _reduce_mod(dscale, scale)
 
 
 @_gated_bwd.register_fake

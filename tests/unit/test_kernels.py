@@ -173,6 +173,28 @@ def test_custom_ops_pass_opcheck_and_compile() -> None:
         torch.testing.assert_close(g, w, **F64)
 
 
+@pytest.mark.parametrize("S", [1, 2, 3, 4, 10])
+def test_backward_partial_sums_cover_every_row(S: int) -> None:
+    """A backward program takes 3 rows here (``_rows_per_program`` interpreted) and sums the per-sample
+    modulation gradients over them: sequences shorter than, equal to and not a multiple of that, over
+    3 samples, for both kernels. A row left out or counted twice, or a partial never written (its
+    buffer is NaN-poisoned), fails against the reference."""
+    seed = _seed()
+    B, D = 3, 24
+    x, y = (torch.randn(B, S, D, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    gate, shift, scale = (torch.randn(B, 1, D, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    dh, dout = torch.randn(B, S, D, dtype=torch.float64), torch.randn(B, S, D, dtype=torch.float64)
+    got = torch.autograd.grad(norm_modulate(x, shift, scale), (x, shift, scale), dout)
+    want = torch.autograd.grad(norm_modulate_reference(x, shift, scale), (x, shift, scale), dout)
+    for name, g, w in zip(("dx", "dshift", "dscale"), got, want, strict=True):
+        torch.testing.assert_close(g, w, **F64, msg=f"norm {name}, S {S}, seed {seed}")
+    ins = (x, y, gate, shift, scale)
+    got = torch.autograd.grad(gated_norm_modulate(*ins), ins, (dh, dout))
+    want = torch.autograd.grad(gated_norm_modulate_reference(*ins), ins, (dh, dout))
+    for name, g, w in zip(("dx", "dy", "dgate", "dshift", "dscale"), got, want, strict=True):
+        torch.testing.assert_close(g, w, **F64, msg=f"gated {name}, S {S}, seed {seed}")
+
+
 @pytest.mark.parametrize("per_token", [False, True], ids=["per-sample", "per-token"])
 def test_gated_residual_norm_modulate_matches_the_reference(per_token: bool) -> None:
     """``h = x + y * gate`` and ``norm(h) * (1 + scale) + shift`` fused: both outputs and all five
