@@ -40,6 +40,16 @@ if AVAILABLE:
         return xc, mean, 1.0 / tl.sqrt(tl.sum(xc * xc, axis=0) / D + eps)
 
     @triton.jit
+    def _chunk_row(chunk, i, ROWS, b, S, mask, cols):
+        """Row ``i`` of a backward program's chunk of sample ``b``: its position in the sample, its 64-bit
+        index (``row * D`` passes 2**31 at a few samples of 64k tokens x 5120), the index its statistics
+        are read at (row 0 past the sample's end, where x and dy load as 0) and its column mask (empty
+        past the end; built by a vector compare: Triton's interpreter refuses ``mask & (s < S)``)."""
+        s = chunk * ROWS + i
+        row = b * S + s
+        return s, row, tl.where(s < S, row, 0), mask & (cols * 0 + s < S)
+
+    @triton.jit
     def _normalize_backward(g, xhat, rstd, D, RMS: tl.constexpr):
         """d(loss)/d(x) of a row from d(loss)/d(xhat) ``g``."""
         c2 = tl.sum(g * xhat, axis=0) / D
@@ -84,15 +94,11 @@ if AVAILABLE:
         dshift_acc = tl.zeros([BLOCK_D], ACC)
         dscale_acc = tl.zeros([BLOCK_D], ACC)
         for i in range(0, ROWS):
-            s = chunk * ROWS + i
-            ok = s < S
-            m = mask & (cols * 0 + s < S)  # a vector compare: Triton's interpreter refuses `mask & ok`
-            row = b * S + s  # 64-bit: row * D passes 2**31 at a few samples of 64k tokens x 5120
+            s, row, safe, m = _chunk_row(chunk, i, ROWS, b, S, mask, cols)
             if PER_TOKEN:
                 scale = tl.load(scale_ptr + b * mod_sb + s * mod_ss + cols, mask=m, other=0.0).to(ACC)
             x = tl.load(x_ptr + row * D + cols, mask=m, other=0.0).to(ACC)
             dy = tl.load(dy_ptr + row * D + cols, mask=m, other=0.0).to(ACC)
-            safe = tl.where(ok, row, 0)  # a row past the end reads row 0's statistics; its x and dy are 0
             mean = tl.load(mean_ptr + safe)
             rstd = tl.load(rstd_ptr + safe)
             xhat = tl.where(m, (x - mean) * rstd, 0.0)
@@ -150,10 +156,7 @@ if AVAILABLE:
         dgate_acc = tl.zeros([BLOCK_D], ACC)
         dscale_acc = tl.zeros([BLOCK_D], ACC)
         for i in range(0, ROWS):
-            s = chunk * ROWS + i
-            ok = s < S
-            m = mask & (cols * 0 + s < S)  # a vector compare: Triton's interpreter refuses `mask & ok`
-            row = b * S + s  # 64-bit
+            s, row, safe, m = _chunk_row(chunk, i, ROWS, b, S, mask, cols)
             # reloaded per row even when per sample (mod_ss 0: an L1/L2 hit), which keeps two row
             # vectors out of the registers the running sums need
             mod = b * mod_sb + s * mod_ss + cols
@@ -163,7 +166,6 @@ if AVAILABLE:
             dout = tl.load(dout_ptr + row * D + cols, mask=m, other=0.0).to(ACC)
             dh = tl.load(dh_ptr + row * D + cols, mask=m, other=0.0).to(ACC)
             y = tl.load(y_ptr + row * D + cols, mask=m, other=0.0).to(ACC)
-            safe = tl.where(ok, row, 0)  # as in the norm's backward
             mean = tl.load(mean_ptr + safe)
             rstd = tl.load(rstd_ptr + safe)
             hhat = tl.where(m, (h - mean) * rstd, 0.0)
