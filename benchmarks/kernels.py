@@ -138,7 +138,7 @@ def agreement(fn: Callable[..., Outputs], base: Callable[..., Outputs], *inputs:
     return {"max_diff": worst(absolute), "rel_diff": worst(relative)}
 
 
-def row(kernel: str, shape: str, ours: float, baseline: str, base: float, **extra: float) -> dict[str, Any]:
+def row(kernel: str, shape: str, ours: float, baseline: str, base: float, **extra: float) -> None:
     """One result, printed now and kept in ``RESULTS`` (what a SIGTERM still reports)."""
     extra = extra | {"elapsed_s": time.perf_counter() - STARTED}
     r = {"kernel": kernel, "shape": shape, "ours_ms": ours, "baseline": baseline, "baseline_ms": base}
@@ -149,11 +149,9 @@ def row(kernel: str, shape: str, ours: float, baseline: str, base: float, **extr
         f"{kernel:>19} {shape:>36}  ours {ours:9.3f} ms  {baseline} {base:9.3f} ms  x{base / ours:.2f}{extras}",
         flush=True,
     )
-    return r
 
 
-def norm_rows(device: torch.device, dtype: torch.dtype) -> list[dict[str, Any]]:
-    out = []
+def norm_rows(device: torch.device, dtype: torch.dtype) -> None:
     shapes = [(1, 16384, 5120), (1, 65536, 5120)] if CUDA else [(1, 16, 64)]
     for b, s, d in shapes:
         x = torch.randn(b, s, d, device=device, dtype=dtype, requires_grad=True)
@@ -164,7 +162,7 @@ def norm_rows(device: torch.device, dtype: torch.dtype) -> list[dict[str, Any]]:
         moved = 5 * x.numel() * x.element_size()  # fwd: read x, write y; bwd: read x, dy, write dx
         diff = agreement(norm_modulate, norm_modulate_reference, x, shift, scale)
         shape = f"B{b} S{s} D{d}"
-        out.append(row("norm_modulate", shape, ours, "torch eager", eager, gb_s=moved / ours / 1e6, **diff))
+        row("norm_modulate", shape, ours, "torch eager", eager, gb_s=moved / ours / 1e6, **diff)
         y = torch.randn_like(x, requires_grad=True)
         gate = torch.randn_like(shift, requires_grad=True)
         gated, gated_ref = gated_norm_modulate, gated_norm_modulate_reference  # (h, out): both get a gradient
@@ -172,12 +170,10 @@ def norm_rows(device: torch.device, dtype: torch.dtype) -> list[dict[str, Any]]:
         eager = bench(fwd_bwd(gated_ref, x, y, gate, shift, scale))
         moved = 12 * x.numel() * x.element_size()  # fwd: x, y -> h, out; bwd: dout, dh, h, y -> dx, dy, 2 row sums
         diff = agreement(gated, gated_ref, x, y, gate, shift, scale)
-        out.append(row("gated_norm_modulate", shape, ours, "torch eager", eager, gb_s=moved / ours / 1e6, **diff))
-    return out
+        row("gated_norm_modulate", shape, ours, "torch eager", eager, gb_s=moved / ours / 1e6, **diff)
 
 
-def rope_rows(device: torch.device, dtype: torch.dtype) -> list[dict[str, Any]]:
-    out = []
+def rope_rows(device: torch.device, dtype: torch.dtype) -> None:
     cases = [((21, 45, 80), 40, 128), ((21, 90, 160), 40, 128)] if CUDA else [((2, 3, 4), 2, 64)]
     for grid, heads, dim in cases:
         tokens = grid[0] * grid[1] * grid[2]
@@ -188,8 +184,7 @@ def rope_rows(device: torch.device, dtype: torch.dtype) -> list[dict[str, Any]]:
         moved = 4 * x.numel() * x.element_size()
         shape = f"S{tokens} H{heads} D{dim}"
         diff = agreement(ours_fn, eager_fn, x)
-        out.append(row("rope3d", shape, ours, "torch eager", eager, gb_s=moved / ours / 1e6, **diff))
-    return out
+        row("rope3d", shape, ours, "torch eager", eager, gb_s=moved / ours / 1e6, **diff)
 
 
 def sdpa(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
@@ -202,13 +197,12 @@ def sdpa(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return F.scaled_dot_product_attention(a, b, c)
 
 
-def attention_rows(device: torch.device, dtype: torch.dtype, *, long: bool = False) -> list[dict[str, Any]]:
+def attention_rows(device: torch.device, dtype: torch.dtype, *, long: bool = False) -> None:
     """Uniform attention at 4k and 16k tokens, or (``long``) at 64k; one tiny interpreted shape on CPU."""
     try:
         from mmpipe.kernels.attention import flash_attention
     except ImportError:
-        return []
-    out = []
+        return
     if CUDA:
         cases = [(65536, 40, 128)] if long else [(4096, 24, 128), (16384, 40, 128)]
     else:
@@ -222,7 +216,7 @@ def attention_rows(device: torch.device, dtype: torch.dtype, *, long: bool = Fal
         base = bench(fwd_bwd(sdpa, q, k, v))
         diff = agreement(ours_fn, sdpa, q, k, v)
         name = "sdpa flash" if CUDA else "sdpa"
-        out.append(row("attention", shape, ours, name, base, tflops=flops / ours / 1e9, **diff))
+        row("attention", shape, ours, name, base, tflops=flops / ours / 1e9, **diff)
         xf = xformers_baseline(q) if CUDA else None  # xFormers has no CPU operator
         if xf is not None:
             xf_name, xf_fn = xf
@@ -231,8 +225,7 @@ def attention_rows(device: torch.device, dtype: torch.dtype, *, long: bool = Fal
             except Exception as e:
                 print(f"xformers baseline at {shape} skipped: {type(e).__name__}: {e}", flush=True)
                 continue
-            out.append(row("attention", shape, ours, xf_name, xf_ms, tflops=flops / ours / 1e9))
-    return out
+            row("attention", shape, ours, xf_name, xf_ms, tflops=flops / ours / 1e9)
 
 
 def xformers_baseline(q: torch.Tensor) -> tuple[str, Callable[..., torch.Tensor]] | None:
@@ -259,20 +252,19 @@ def xformers_baseline(q: torch.Tensor) -> tuple[str, Callable[..., torch.Tensor]
     return name, attn
 
 
-def varlen_attention_rows(device: torch.device, dtype: torch.dtype) -> list[dict[str, Any]]:
+def varlen_attention_rows(device: torch.device, dtype: torch.dtype) -> None:
     """Packed sequences of different lengths (one ``flash_attn_varlen`` call) against SDPA and eager
     PyTorch run on each sequence separately, forward + backward, non-causal."""
     try:
         import mmpipe.kernels.attention  # noqa: F401
     except ImportError:
-        return []
+        return
     cases = [([8192, 4096, 2048, 1024, 512, 256, 77], 24, 128), ([8192] * 2 + [4096] * 4, 40, 128)]
-    return [
-        r for lens, h, d in (cases if CUDA else [([5, 37, 16], 2, 64)]) for r in varlen_rows(lens, h, d, device, dtype)
-    ]
+    for lens, h, d in cases if CUDA else [([5, 37, 16], 2, 64)]:
+        varlen_rows(lens, h, d, device, dtype)
 
 
-def varlen_rows(lens: list[int], h: int, d: int, device: torch.device, dtype: torch.dtype) -> list[dict[str, Any]]:
+def varlen_rows(lens: list[int], h: int, d: int, device: torch.device, dtype: torch.dtype) -> None:
     from mmpipe.kernels.attention import attention_varlen_reference, flash_attn_varlen
 
     cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=device)
@@ -293,10 +285,8 @@ def varlen_rows(lens: list[int], h: int, d: int, device: torch.device, dtype: to
     shape = f"{len(lens)} seqs total {sum(lens)} max {mx} H{h} D{d}"
     sdpa_name = "sdpa flash per sequence" if CUDA else "sdpa per sequence"
     diff = agreement(ours_fn, per_sequence, q, k, v)
-    return [
-        row("attention_varlen", shape, ours, sdpa_name, base, tflops=tflops, **diff),
-        row("attention_varlen", shape, ours, "torch eager per sequence", eager, tflops=tflops),
-    ]
+    row("attention_varlen", shape, ours, sdpa_name, base, tflops=tflops, **diff)
+    row("attention_varlen", shape, ours, "torch eager per sequence", eager, tflops=tflops)
 
 
 def autotuned() -> list[dict[str, Any]]:
@@ -335,7 +325,7 @@ def main() -> None:
     status = 0
     for section, rows in sections.items():
         try:
-            rows(device, dtype)  # each row lands in RESULTS as it is measured
+            rows(device, dtype)  # each row lands in RESULTS (and prints) as it is measured
         except _Deadline:
             errors.append({"section": section, "error": "SIGTERM (time limit): the rest was not measured"})
             status = 124

@@ -200,11 +200,11 @@ def _rows_per_program(B: int, S: int, device: torch.device) -> int:
     return max(1, triton.cdiv(B * S, 8 * sms))
 
 
-def _mod_grads(like: torch.Tensor, B: int, S: int, D: int, chunks: int, acc: torch.dtype) -> torch.Tensor:
-    """A poisoned buffer for a modulation gradient: per token ``(B, S, D)``, or per sample one partial
-    sum per backward program ``(B, chunks, D)``."""
-    per_token = like.shape[1] == S and S > 1
-    return torch.full((B, S if per_token else chunks, D), float("nan"), dtype=acc, device=like.device)
+def _mod_grads(x: torch.Tensor, per_token: bool, chunks: int, acc: torch.dtype) -> torch.Tensor:
+    """A poisoned buffer for a modulation gradient of ``x``'s modulation: per token ``(B, S, D)``, or per
+    sample one partial sum per backward program ``(B, chunks, D)``."""
+    B, S, D = x.shape
+    return torch.full((B, S if per_token else chunks, D), float("nan"), dtype=acc, device=x.device)
 
 
 def _row_meta(D: int, acc: torch.dtype, rms: bool) -> dict[str, Any]:
@@ -277,16 +277,17 @@ def _bwd(
     mod_sb, mod_ss = _check(x, scale, scale)
     B, S, D = x.shape
     dy, x, scale = dy.contiguous(), x.contiguous(), scale.contiguous()
+    per_token = mod_ss != 0
     rows = _rows_per_program(B, S, x.device)
     chunks = triton.cdiv(S, rows)
     dx = torch.full_like(x, float("nan"))
-    dshift, dscale = (_mod_grads(scale, B, S, D, chunks, mean.dtype) for _ in range(2))
+    dshift, dscale = (_mod_grads(x, per_token, chunks, mean.dtype) for _ in range(2))
     if B * S:
         _norm_modulate_bwd_kernel[(chunks, B)](
             dy, x, scale, mean, rstd, dx, dshift, dscale, S, D, mod_sb, mod_ss, rows,
-            PER_TOKEN=mod_ss != 0, **_row_meta(D, mean.dtype, rms),
+            PER_TOKEN=per_token, **_row_meta(D, mean.dtype, rms),
         )  # fmt: skip
-    return dx, _reduce_mod(dshift, scale), _reduce_mod(dscale, scale)
+    return dx, _reduce_mod(dshift, per_token, scale.dtype), _reduce_mod(dscale, per_token, scale.dtype)
 
 
 @_bwd.register_fake
@@ -335,11 +336,10 @@ def gated_norm_modulate_reference(
     return h, norm_modulate_reference(h, shift, scale, rms=rms, eps=eps)
 
 
-def _reduce_mod(grads: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """A modulation gradient from :func:`_mod_grads`' buffer, in ``like``'s shape and dtype: per token as
-    it is, per sample the programs' partial sums added up."""
-    per_token = like.shape[1] > 1
-    return (grads if per_token else grads.sum(1, keepdim=True)).to(like.dtype)
+def _reduce_mod(grads: torch.Tensor, per_token: bool, dtype: torch.dtype) -> torch.Tensor:
+    """A modulation gradient from :func:`_mod_grads`' buffer, in ``dtype``: per token as it is, per
+    sample the programs' partial sums added up."""
+    return (grads if per_token else grads.sum(1, keepdim=True)).to(dtype)
 
 
 @torch.library.custom_op("mmpipe::gated_norm_modulate_fwd", mutates_args=())
@@ -395,18 +395,20 @@ def _gated_bwd(
     _check(h, gate, scale)
     B, S, D = h.shape
     dout, dh, h, y, gate, scale = (t.contiguous() for t in (dout, dh, h, y, gate, scale))
+    per_token = mod_ss != 0
     rows = _rows_per_program(B, S, h.device)
     chunks = triton.cdiv(S, rows)
     dx, dy = torch.full_like(h, float("nan")), torch.full_like(y, float("nan"))
-    dgate, dscale = (_mod_grads(scale, B, S, D, chunks, mean.dtype) for _ in range(2))
+    dgate, dscale = (_mod_grads(h, per_token, chunks, mean.dtype) for _ in range(2))
     if B * S:
         _gated_bwd_kernel[(chunks, B)](
             dout, dh, h, y, gate, scale, mean, rstd, dx, dy, dgate, dscale, S, D, mod_sb, mod_ss, rows,
-            PER_TOKEN=mod_ss != 0, **_row_meta(D, mean.dtype, rms),
+            PER_TOKEN=per_token, **_row_meta(D, mean.dtype, rms),
         )  # fmt: skip
-    per_token = scale.shape[1] > 1  # the shift's gradient: dout itself, or summed over the tokens (one read)
+    # the shift's gradient: dout itself (a copy: an output may not alias an input), or summed over the tokens
     dshift = dout.to(scale.dtype, copy=True) if per_token else dout.sum(1, keepdim=True, dtype=mean.dtype)
-    return dx, dy, _reduce_mod(dgate, gate), dshift.to(scale.dtype), _reduce_mod(dscale, scale)
+    dgate, dscale = _reduce_mod(dgate, per_token, gate.dtype), _reduce_mod(dscale, per_token, scale.dtype)
+    return dx, dy, dgate, dshift.to(scale.dtype), dscale
 
 
 @_gated_bwd.register_fake
