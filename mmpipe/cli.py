@@ -171,8 +171,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RuntimeError as err:
         from mmpipe.runtime.executor import ExecutionError
         from mmpipe.runtime.launch import WorkerFailure
+        from mmpipe.serve.engine import ServeStartError
 
-        if not isinstance(err, WorkerFailure | ExecutionError):
+        if not isinstance(err, WorkerFailure | ExecutionError | ServeStartError):
             raise
         print(f"mmpipe {command}: {err}", file=sys.stderr)
         return 1

@@ -8,14 +8,24 @@ from pathlib import Path
 
 import torch
 
-from mmpipe.checkpoint import load_latest_weights
+from mmpipe.checkpoint import latest_checkpoint, load_latest_weights
 from mmpipe.config import GenerateConfig
 from mmpipe.data import frames_to_uint8, write_gif, write_mp4
 from mmpipe.kernels import registry as kernels
 from mmpipe.kernels.wan import use_kernels
-from mmpipe.pipelines import T2VGraph, from_diffusers
+from mmpipe.pipelines import T2VGraph, check_pipeline_dir, from_diffusers
 from mmpipe.report.recording import record_generation
 from mmpipe.train import kernel_choice, load_run_config, pipeline_dir
+
+
+def check_trained_run(run_dir: Path, *, key: str = "ckpt") -> None:
+    """Refuse, before any weights load or worker starts, a ``run_dir`` that
+    :func:`load_trained_graph` cannot use: no run config, a missing or unusable pipeline directory,
+    or no checkpoint yet (``ValueError`` naming ``key``)."""
+    cfg = load_run_config(run_dir)
+    check_pipeline_dir(pipeline_dir(cfg.model, run_dir), key=f"{key}={str(run_dir)!r}: pipeline")
+    if latest_checkpoint(run_dir) is None:
+        raise ValueError(f"{key}={str(run_dir)!r}: the run has no checkpoint yet (train.ckpt_every saves them)")
 
 
 def load_trained_graph(run_dir: Path) -> T2VGraph:
@@ -41,6 +51,7 @@ def generate(cfg: GenerateConfig) -> dict[str, Path]:
     ``mmpipe report`` reads)."""
     assert cfg.ckpt is not None  # GenerateConfig.__post_init__ requires it
     run_dir = Path(cfg.ckpt)
+    check_trained_run(run_dir)
     data = load_run_config(run_dir).data
     graph = load_trained_graph(run_dir)
     out_dir = Path(cfg.out) if cfg.out else run_dir / "samples"

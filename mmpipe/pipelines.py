@@ -176,18 +176,57 @@ def from_diffusers(path_or_pipeline: str | Path | DiffusionPipeline, *, max_sequ
     return T2VGraph(text, denoise, decode)
 
 
+WAN_COMPONENTS = ("text_encoder", "tokenizer", "transformer", "vae", "scheduler")  # what from_diffusers reads
+
+
+def check_pipeline_dir(path: str | Path, *, key: str = "pipeline") -> Path:
+    """``path`` as a local ``WanPipeline`` directory that :func:`from_diffusers` can load, checked
+    from its ``model_index.json`` and component folders without loading any weights (so a serving
+    or generation run refuses a bad directory before a worker starts); raises ``ValueError``
+    naming ``key``, the directory and what is wrong."""
+    import json
+
+    root = Path(path)
+    where = f"{key}={str(root)!r}"
+    index = root / "model_index.json"
+    if not index.is_file():
+        raise ValueError(
+            f"{where} is not a local diffusers pipeline directory (no model_index.json); "
+            "mmpipe never downloads from a hub at run time"
+        )
+    try:
+        meta = json.loads(index.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{where}: model_index.json is not readable JSON ({err})") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{where}: model_index.json is not a JSON object")
+    name = meta.get("_class_name")
+    if name not in SUPPORTED_PIPELINES:
+        raise ValueError(
+            f"{where}: model_index.json's _class_name={name!r} is not supported; supported: {list(SUPPORTED_PIPELINES)}"
+        )
+    two_expert = isinstance(meta.get("transformer_2"), list) and any(meta["transformer_2"])
+    if two_expert or meta.get("boundary_ratio") is not None:
+        raise ValueError(
+            f"{where}: two-expert Wan 2.2 pipelines (transformer_2 / boundary_ratio) are not supported yet"
+        )
+    if meta.get("expand_timesteps"):
+        raise ValueError(f"{where}: WanPipeline with expand_timesteps=True (Wan 2.2 TI2V) is not supported yet")
+    for component in WAN_COMPONENTS:
+        entry = meta.get(component)
+        if not (isinstance(entry, list) and len(entry) == 2 and all(entry)):
+            raise ValueError(f"{where}: model_index.json names no {component} (got {entry!r})")
+        if not (root / component).is_dir():
+            raise ValueError(f"{where}: the {component} folder is missing")
+    return root
+
+
 def _load_pipeline(path_or_pipeline: str | Path | DiffusionPipeline) -> Any:
     """A ``WanPipeline`` object (typed ``Any``: diffusers registers components dynamically)."""
     if isinstance(path_or_pipeline, DiffusionPipeline):
         pipe = path_or_pipeline
     else:
-        path = Path(path_or_pipeline)
-        if not (path / "model_index.json").is_file():
-            raise ValueError(
-                f"{str(path)!r} is not a local diffusers pipeline directory (no model_index.json); "
-                "mmpipe never downloads from a hub at run time"
-            )
-        pipe = DiffusionPipeline.from_pretrained(path)
+        pipe = DiffusionPipeline.from_pretrained(check_pipeline_dir(path_or_pipeline))
     name = type(pipe).__name__
     if not isinstance(pipe, WanPipeline):
         raise ValueError(f"from_diffusers: {name} is not supported; supported pipelines: {list(SUPPORTED_PIPELINES)}")

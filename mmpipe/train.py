@@ -32,7 +32,13 @@ from mmpipe.config import DataConfig, ModelConfig, RunConfig, StageParallelConfi
 from mmpipe.data import FolderVideoDataset, MovingShapesDataset, caption_vocabulary
 from mmpipe.graph import Graph
 from mmpipe.kernels import registry as kernels
-from mmpipe.pipelines import T2V_TRAIN_STAGES, U2G_TRAIN_STAGES, build_t2v_training_graph, build_u2g_training_graph
+from mmpipe.pipelines import (
+    T2V_TRAIN_STAGES,
+    U2G_TRAIN_STAGES,
+    build_t2v_training_graph,
+    build_u2g_training_graph,
+    check_pipeline_dir,
+)
 from mmpipe.presets import VISION_IMAGE_SIZE, save_tiny_u2g_pipeline, save_tiny_wan_pipeline
 from mmpipe.report.recording import RankRecording, write_chrome_trace
 from mmpipe.runtime.events import EventRecorder
@@ -423,6 +429,8 @@ def train(cfg: RunConfig) -> TrainResult:
             f"model {cfg.model.name!r} is an architecture-only preset (no weights): plan it with "
             f"`mmpipe plan model={cfg.model.name}`, or train local weights with model.path=DIR"
         )
+    if cfg.model.path is not None:  # refused before a run directory is written
+        check_pipeline_dir(cfg.model.path, key="model.path")
     check_placement(cfg)
     choice = kernel_choice(cfg)  # an unavailable kernel is an error before anything is written
     if "triton" in dataclasses.astuple(choice):

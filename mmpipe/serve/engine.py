@@ -34,6 +34,7 @@ import logging
 import os
 import queue
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -55,6 +56,12 @@ logger = logging.getLogger(__name__)
 READY_TIMEOUT_S = 300.0
 _TAG = 7  # the p2p tag of serving messages
 _CONTEXT, _LATENTS = 1, 2  # message kinds between groups
+
+
+class ServeStartError(RuntimeError):
+    """A serving group could not start (its graph failed to load, or it died or hung while starting);
+    the message names the group and the cause. ``mmpipe serve`` prints it and exits with status 1."""
+
 
 GraphFactory = Callable[[dict[str, Any]], Any]  # (source spec) -> T2VGraph, run in each worker
 
@@ -154,14 +161,23 @@ class Engine:
 
     # ---- set-up ------------------------------------------------------------------------------
     def _source_spec(self, cfg: ServeConfig) -> dict[str, Any]:
+        """What each worker builds its graph from, checked here so that a bad directory is refused
+        before any worker starts."""
+        from mmpipe.pipelines import check_pipeline_dir
+
         if cfg.ckpt:
+            from mmpipe.generate import check_trained_run
+
+            check_trained_run(Path(cfg.ckpt))
             return {"ckpt": cfg.ckpt}
         if cfg.pipeline:
+            check_pipeline_dir(cfg.pipeline)
             return {"pipeline": cfg.pipeline, "text_len": cfg.text_len or 512}  # WanPipeline.__call__'s default
         from mmpipe.data import caption_vocabulary
         from mmpipe.presets import save_tiny_wan_pipeline
 
         if cfg.model.path is not None:
+            check_pipeline_dir(cfg.model.path, key="model.path")
             return {"pipeline": cfg.model.path, "text_len": cfg.text_len or cfg.model.text_len}
         if cfg.model.kind != "t2v":
             raise ValueError(f"model.kind={cfg.model.kind!r}: mmpipe serve serves text-to-video graphs (t2v)")
@@ -177,17 +193,17 @@ class Engine:
                 msg = self._outbox.get(timeout=0.2)
             except queue.Empty:
                 dead = [g for g, p in enumerate(self._procs) if not p.is_alive()]
-                if dead:
-                    raise RuntimeError(
+                if dead and self._outbox.empty():
+                    raise ServeStartError(
                         f"serving group {dead[0]} exited while starting (exit code {self._procs[dead[0]].exitcode})"
                     ) from None
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"serving groups not ready after {READY_TIMEOUT_S:.0f} s") from None
+                    raise ServeStartError(f"serving groups not ready after {READY_TIMEOUT_S:.0f} s") from None
                 continue
             if msg[0] == "ready":
                 ready.add(msg[1])
             elif msg[0] == "fatal":
-                raise RuntimeError(f"serving group {msg[1]} failed to start: {msg[2]}")
+                raise ServeStartError(f"serving group {msg[1]} failed to start: {msg[2]}")
 
     def placement_text(self) -> str:
         """Which stages each device group (worker process, rank) runs."""
@@ -400,8 +416,11 @@ def _worker_main(
         graph = (graph_factory or default_graph)(spec)
         worker = _GroupWorker(group, init["world"], graph, options, inbox, outbox, Path(init["run_dir"]))
     except Exception as err:
-        outbox.put(("fatal", group, f"{type(err).__name__}: {err}"))
-        raise
+        # The cause goes to the front end (one line); the traceback to a file it names, not the terminal.
+        log = Path(init["run_dir"]) / f"serve-group{group}-start-error.txt"
+        log.write_text(traceback.format_exc())
+        outbox.put(("fatal", group, f"{type(err).__name__}: {_first_line(err)} (traceback: {log})"))
+        sys.exit(1)  # the queue's feeder thread is joined at exit: the message is sent before this process ends
     outbox.put(("ready", group))
     try:
         worker.loop()
@@ -753,3 +772,9 @@ class _GroupWorker:
         self.outbox.put(("stage", "decode", start - min(e[2] for e in batch), time.perf_counter() - start, len(batch)))
         self._record("decode", "F", batch[0][0], start, batch=len(batch))
         return True
+
+
+def _first_line(err: BaseException) -> str:
+    """An exception's message up to its first line break (diffusers and transformers append hints)."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else ""

@@ -8,6 +8,7 @@ import json
 import os
 import queue
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -86,3 +87,40 @@ def _until(predicate: object, timeout: float = 30.0) -> bool:
             return True
         time.sleep(0.02)
     return False
+
+
+def _serve(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "mmpipe.cli", "serve", *args, *SMALL]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_bad_pipeline_dir_is_refused_before_any_worker_starts(tiny_wan_dir: Path, tmp_path: Path) -> None:
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_wan_dir, broken, ignore=shutil.ignore_patterns("transformer"))
+    res = _serve(f"pipeline={broken}", f"run_dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert res.returncode == 2, res.stderr
+    assert f"mmpipe serve: error: pipeline={str(broken)!r}: the transformer folder is missing" in res.stderr
+    assert "Traceback" not in res.stderr
+    assert not (tmp_path / "run").exists()  # nothing was started or written
+
+
+def test_a_group_that_fails_to_load_is_one_clear_error(tiny_wan_dir: Path, tmp_path: Path) -> None:
+    """Weights that pass the directory check but do not load: the group's cause in one line, exit
+    status 1, and its traceback in the file the message names instead of on the terminal."""
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(tiny_wan_dir, corrupt)
+    (corrupt / "transformer" / "diffusion_pytorch_model.safetensors").write_bytes(b"not a safetensors file")
+    res = _serve(
+        f"pipeline={corrupt}",
+        f"run_dir={tmp_path / 'run'}",
+        "placement={text:[0],denoise:[0],decode:[0]}",
+        cwd=tmp_path,
+    )
+    assert res.returncode == 1, res.stderr
+    line = res.stderr.strip().splitlines()[-1]
+    assert line.startswith("mmpipe serve: serving group 0 failed to start: "), res.stderr
+    assert "Traceback" not in res.stderr
+    log = tmp_path / "run" / "serve-group0-start-error.txt"
+    assert f"(traceback: {log})" in line
+    assert log.read_text().startswith("Traceback")
