@@ -11,6 +11,7 @@ import torch
 from mmpipe.checkpoint import latest_checkpoint, load_latest_weights
 from mmpipe.config import GenerateConfig
 from mmpipe.data import frames_to_uint8, write_gif, write_mp4
+from mmpipe.errors import loading_errors
 from mmpipe.kernels import registry as kernels
 from mmpipe.kernels.wan import use_kernels
 from mmpipe.pipelines import T2VGraph, check_pipeline_dir, from_diffusers
@@ -31,9 +32,10 @@ def check_trained_run(run_dir: Path, *, key: str = "ckpt") -> None:
 def load_trained_graph(run_dir: Path) -> T2VGraph:
     """The run's inference graph with the DiT weights of its latest checkpoint."""
     cfg = load_run_config(run_dir)
-    graph = from_diffusers(pipeline_dir(cfg.model, run_dir), max_sequence_length=cfg.model.text_len)
-    # The training graph's DiT stage is named "dit"; its weights become the denoiser's.
-    load_latest_weights(run_dir, {"dit": graph.denoise.module})
+    with loading_errors(f"ckpt={str(run_dir)!r}"):
+        graph = from_diffusers(pipeline_dir(cfg.model, run_dir), max_sequence_length=cfg.model.text_len)
+        # The training graph's DiT stage is named "dit"; its weights become the denoiser's.
+        load_latest_weights(run_dir, {"dit": graph.denoise.module})
     apply_kernels(graph, kernel_choice(cfg))  # the run's model.kernels
     return graph
 

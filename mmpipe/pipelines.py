@@ -29,6 +29,7 @@ import torch
 from diffusers import DiffusionPipeline, WanPipeline
 from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 from diffusers.video_processor import VideoProcessor
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from mmpipe.graph import Graph, TensorSpec
@@ -181,9 +182,9 @@ WAN_COMPONENTS = ("text_encoder", "tokenizer", "transformer", "vae", "scheduler"
 
 def check_pipeline_dir(path: str | Path, *, key: str = "pipeline") -> Path:
     """``path`` as a local ``WanPipeline`` directory that :func:`from_diffusers` can load, checked
-    from its ``model_index.json`` and component folders without loading any weights (so a serving
-    or generation run refuses a bad directory before a worker starts); raises ``ValueError``
-    naming ``key``, the directory and what is wrong."""
+    from its ``model_index.json``, component folders and safetensors headers without loading any
+    weights (so a training, serving or generation run refuses a bad directory before a worker
+    starts); raises ``ValueError`` naming ``key``, the directory and what is wrong."""
     import json
 
     root = Path(path)
@@ -218,6 +219,14 @@ def check_pipeline_dir(path: str | Path, *, key: str = "pipeline") -> Path:
             raise ValueError(f"{where}: model_index.json names no {component} (got {entry!r})")
         if not (root / component).is_dir():
             raise ValueError(f"{where}: the {component} folder is missing")
+        for weights in sorted((root / component).glob("*.safetensors")):
+            try:  # the header only (microseconds, memory-mapped): catches truncated and corrupt files
+                with safe_open(weights, framework="pt") as f:
+                    f.keys()
+            except (SafetensorError, OSError) as err:
+                raise ValueError(
+                    f"{where}: {weights.relative_to(root)} is not a readable safetensors file ({err})"
+                ) from None
     return root
 
 

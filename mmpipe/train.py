@@ -30,6 +30,7 @@ from transformers import AutoTokenizer
 from mmpipe.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from mmpipe.config import DataConfig, ModelConfig, RunConfig, StageParallelConfig, from_dict, to_dict
 from mmpipe.data import FolderVideoDataset, MovingShapesDataset, caption_vocabulary
+from mmpipe.errors import loading_errors
 from mmpipe.graph import Graph
 from mmpipe.kernels import registry as kernels
 from mmpipe.pipelines import (
@@ -413,13 +414,19 @@ def prepare_run(cfg: RunConfig) -> tuple[Path, Graph]:
     if cfg.train.resume:
         check_resume_compatible(load_run_config(run_dir), cfg)
     train_set, _ = build_datasets(cfg.data)
+    graph = None
+    if cfg.model.path is not None:  # the user's weights load before anything is written
+        with loading_errors(f"model.path={cfg.model.path!r}"):
+            graph = build_training_graph(cfg.model, Path(cfg.model.path))
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / CONFIG_FILE).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    pipe_dir = pipeline_dir(cfg.model, run_dir)
-    if cfg.model.path is None and not (pipe_dir / "model_index.json").is_file():
-        save = save_tiny_u2g_pipeline if cfg.model.kind == "u2g" else save_tiny_wan_pipeline
-        save(cfg.model, vocabulary(train_set), pipe_dir, seed=cfg.train.seed)
-    return run_dir, build_training_graph(cfg.model, pipe_dir)
+    if graph is None:  # the tiny preset: its random-weight pipeline lives in the run directory
+        pipe_dir = pipeline_dir(cfg.model, run_dir)
+        if not (pipe_dir / "model_index.json").is_file():
+            save = save_tiny_u2g_pipeline if cfg.model.kind == "u2g" else save_tiny_wan_pipeline
+            save(cfg.model, vocabulary(train_set), pipe_dir, seed=cfg.train.seed)
+        graph = build_training_graph(cfg.model, pipe_dir)
+    return run_dir, graph
 
 
 def train(cfg: RunConfig) -> TrainResult:

@@ -11,6 +11,7 @@ from diffusers.configuration_utils import FrozenDict
 from torch import nn
 from transformers import AutoConfig
 
+from mmpipe.errors import loading_errors
 from mmpipe.graph import Stage
 
 
@@ -36,7 +37,12 @@ class ModuleSource:
             config: Any = FrozenDict(model_cls.load_config(path))
         else:  # transformers PreTrainedModel
             config = AutoConfig.from_pretrained(path)
-        return cls(config=config, load=lambda: model_cls.from_pretrained(path, **kwargs))
+
+        def load() -> nn.Module:  # on the rank that runs the stage
+            with loading_errors(f"{model_cls.__name__} from {str(path)!r}"):
+                return model_cls.from_pretrained(path, **kwargs)
+
+        return cls(config=config, load=load)
 
 
 class SourcedStage(Stage):

@@ -48,6 +48,7 @@ import torch
 import yaml
 
 from mmpipe.config import ServeConfig, to_dict
+from mmpipe.errors import cause, loading_errors
 from mmpipe.runtime import procs
 from mmpipe.serve.protocol import GenerationRequest, Job, JobStatus, QueueFull
 
@@ -74,7 +75,8 @@ def default_graph(spec: dict[str, Any]) -> Any:
         from mmpipe.generate import load_trained_graph
 
         return load_trained_graph(Path(spec["ckpt"]))
-    return from_diffusers(spec["pipeline"], max_sequence_length=spec["text_len"])
+    with loading_errors(f"pipeline={str(spec['pipeline'])!r}"):
+        return from_diffusers(spec["pipeline"], max_sequence_length=spec["text_len"])
 
 
 @dataclasses.dataclass
@@ -419,7 +421,7 @@ def _worker_main(
         # The cause goes to the front end (one line); the traceback to a file it names, not the terminal.
         log = Path(init["run_dir"]) / f"serve-group{group}-start-error.txt"
         log.write_text(traceback.format_exc())
-        outbox.put(("fatal", group, f"{type(err).__name__}: {_first_line(err)} (traceback: {log})"))
+        outbox.put(("fatal", group, f"{cause(err)} (traceback: {log})"))
         sys.exit(1)  # the queue's feeder thread is joined at exit: the message is sent before this process ends
     outbox.put(("ready", group))
     try:
@@ -772,9 +774,3 @@ class _GroupWorker:
         self.outbox.put(("stage", "decode", start - min(e[2] for e in batch), time.perf_counter() - start, len(batch)))
         self._record("decode", "F", batch[0][0], start, batch=len(batch))
         return True
-
-
-def _first_line(err: BaseException) -> str:
-    """An exception's message up to its first line break (diffusers and transformers append hints)."""
-    text = str(err).strip()
-    return text.splitlines()[0] if text else ""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from collections import Counter
@@ -85,3 +86,17 @@ def test_bad_input_is_rejected_before_any_work(tmp_path: Path, args: list[str], 
     assert message in res.stderr
     assert "Traceback" not in res.stderr
     assert not (tmp_path / "run").exists()  # nothing was started or written
+
+
+def test_unloadable_model_path_is_refused_before_any_work(tiny_wan_dir: Path, tmp_path: Path) -> None:
+    """A corrupt weight file under model.path: exit status 2 naming the file, nothing written."""
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_wan_dir, broken)
+    (broken / "text_encoder" / "model.safetensors").write_bytes(b"not safetensors")
+    res = mmpipe("train", f"model.path={broken}", f"run_dir={tmp_path / 'run'}", *SMALL, cwd=tmp_path)
+    assert res.returncode == 2, res.stderr
+    assert (
+        f"model.path={str(broken)!r}: text_encoder/model.safetensors is not a readable safetensors file" in res.stderr
+    )
+    assert "Traceback" not in res.stderr
+    assert not (tmp_path / "run").exists()

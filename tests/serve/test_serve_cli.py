@@ -106,21 +106,19 @@ def test_bad_pipeline_dir_is_refused_before_any_worker_starts(tiny_wan_dir: Path
 
 
 def test_a_group_that_fails_to_load_is_one_clear_error(tiny_wan_dir: Path, tmp_path: Path) -> None:
-    """Weights that pass the directory check but do not load: the group's cause in one line, exit
-    status 1, and its traceback in the file the message names instead of on the terminal."""
-    corrupt = tmp_path / "corrupt"
-    shutil.copytree(tiny_wan_dir, corrupt)
-    (corrupt / "transformer" / "diffusion_pytorch_model.safetensors").write_bytes(b"not a safetensors file")
-    res = _serve(
-        f"pipeline={corrupt}",
-        f"run_dir={tmp_path / 'run'}",
-        "placement={text:[0],denoise:[0],decode:[0]}",
-        cwd=tmp_path,
-    )
+    """Weights that pass the directory check but do not fit their config: the group's cause in one
+    line, exit status 1, and its traceback in the file the message names, not on the terminal."""
+    mismatched = tmp_path / "mismatched"
+    shutil.copytree(tiny_wan_dir, mismatched)
+    config = mismatched / "transformer" / "config.json"
+    config.write_text(json.dumps(json.loads(config.read_text()) | {"ffn_dim": 2048}))  # the weights' is 1024
+    placement = "placement={text:[0],denoise:[0],decode:[0]}"
+    res = _serve(f"pipeline={mismatched}", f"run_dir={tmp_path / 'run'}", placement, cwd=tmp_path)
     assert res.returncode == 1, res.stderr
     line = res.stderr.strip().splitlines()[-1]
-    assert line.startswith("mmpipe serve: serving group 0 failed to start: "), res.stderr
+    cause = f"ValueError: pipeline={str(mismatched)!r}: cannot load it: ValueError: Cannot load"
+    assert line.startswith(f"mmpipe serve: serving group 0 failed to start: {cause}"), res.stderr
     assert "Traceback" not in res.stderr
     log = tmp_path / "run" / "serve-group0-start-error.txt"
-    assert f"(traceback: {log})" in line
+    assert line.endswith(f"(traceback: {log})")
     assert log.read_text().startswith("Traceback")

@@ -5,6 +5,7 @@ the cause, and the tiny pipeline saved with ``save_pretrained`` passes."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +16,7 @@ import yaml
 from mmpipe.config import RunConfig, to_dict
 from mmpipe.generate import check_trained_run
 from mmpipe.pipelines import check_pipeline_dir
+from mmpipe.stages import WanDiTFlowMatchingStage
 
 
 def _copy(src: Path, dst: Path) -> Path:
@@ -81,6 +83,31 @@ def test_bad_pipeline_dir_is_refused(
     with pytest.raises(ValueError, match=message) as err:
         check_pipeline_dir(root, key="model.path")
     assert str(err.value).startswith(f"model.path={str(root)!r}")
+
+
+@pytest.mark.parametrize("kind", ["junk", "truncated"])
+def test_unreadable_weights_are_refused(tiny_wan_dir: Path, tmp_path: Path, kind: str) -> None:
+    """Safetensors headers are read (not the weights): a junk or truncated file is named."""
+    root = _copy(tiny_wan_dir, tmp_path / "p")
+    name = "diffusion_pytorch_model.safetensors"
+    whole = (tiny_wan_dir / "transformer" / name).read_bytes()
+    (root / "transformer" / name).write_bytes(b"junk" if kind == "junk" else whole[: len(whole) // 2])
+    with pytest.raises(ValueError, match=f"transformer/{name} is not a readable safetensors file"):
+        check_pipeline_dir(root)
+    (root / "transformer" / name).write_bytes(whole)
+    check_pipeline_dir(root)
+
+
+def test_a_stage_that_cannot_load_names_its_class_and_directory(tiny_wan_dir: Path, tmp_path: Path) -> None:
+    """Loading is lazy (on the rank that runs the stage); its error names the class and folder."""
+    root = tmp_path / "p"
+    shutil.copytree(tiny_wan_dir, root)
+    config = root / "transformer" / "config.json"
+    config.write_text(json.dumps(json.loads(config.read_text()) | {"ffn_dim": 2048}))  # the weights' is 1024
+    stage = WanDiTFlowMatchingStage.from_pretrained("dit", root / "transformer", shift=3.0)
+    where = f"WanTransformer3DModel from {str(root / 'transformer')!r}"
+    with pytest.raises(ValueError, match=f"^{re.escape(where)}: cannot load it: ValueError: Cannot load"):
+        _ = stage.module
 
 
 def _run_dir(tmp_path: Path, pipeline: Path) -> Path:

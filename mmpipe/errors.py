@@ -1,0 +1,31 @@
+"""Errors of the model loaders (diffusers, transformers, safetensors) as one line that names the
+config key and directory they came from, instead of a traceback from deep inside the loaders."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from safetensors import SafetensorError
+
+# What the loaders raise for a corrupt, truncated or mismatched model directory.
+LOADER_ERRORS = (OSError, ValueError, KeyError, TypeError, RuntimeError, SafetensorError)
+
+
+def cause(err: BaseException) -> str:
+    """``Type: first line of the message`` (diffusers and transformers append hints after it)."""
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
+
+
+@contextlib.contextmanager
+def loading_errors(where: str) -> Iterator[None]:
+    """Re-raise what the loaders raise inside the block as a ``ValueError`` that starts with
+    ``where`` (the key and directory, e.g. ``model.path='/models/wan'``); one that already starts
+    that way passes through unchanged."""
+    try:
+        yield
+    except LOADER_ERRORS as err:
+        if isinstance(err, ValueError) and str(err).startswith(where):
+            raise
+        raise ValueError(f"{where}: cannot load it: {cause(err)}") from err
