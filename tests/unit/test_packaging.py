@@ -69,3 +69,26 @@ def test_a_real_install_holds_every_module(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(site)}
     done = subprocess.run([sys.executable, "-P", "-c", walk], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("installed", [True, False], ids=["hub-kernels-installed", "not-installed"])
+def test_the_root_kernels_folder_does_not_shadow_hub_kernels(tmp_path: Path, installed: bool) -> None:
+    """With the repository root on sys.path (``python -m pytest`` there), ``import kernels`` gives
+    Hugging Face's package where it is installed (transformers >= 5.25 requires it and diffusers then
+    imports names from it), not this repository's kernels/ folder; diffusers' Wan classes import."""
+    site = tmp_path / "site"
+    if installed:
+        (site / "kernels").mkdir(parents=True)
+        (site / "kernels" / "__init__.py").write_text("CUDAProperties = 'hub'\n")
+    probe = (
+        "import mmpipe.kernels.registry\n"  # ours, under its installed name
+        "import kernels\n"
+        "print(getattr(kernels, 'CUDAProperties', kernels.__file__))\n"
+        "import mmpipe.kernels.attention\n"
+        "from diffusers import AutoencoderKLWan, WanTransformer3DModel\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(site)}  # after '' (the working directory, here the root)
+    env.pop("PYTHONSAFEPATH", None)
+    res = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip().splitlines()[-1] == ("hub" if installed else str(ROOT / "kernels" / "__init__.py"))
