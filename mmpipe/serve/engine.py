@@ -39,7 +39,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,13 +55,19 @@ from mmpipe.serve.protocol import GenerationRequest, Job, JobStatus, QueueFull
 logger = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 300.0
+EXIT_GRACE_S = 10.0  # how long an ending worker gets before the next, harder signal
 _TAG = 7  # the p2p tag of serving messages
 _CONTEXT, _LATENTS = 1, 2  # message kinds between groups
 
 
 class ServeStartError(RuntimeError):
     """A serving group could not start (its graph failed to load, or it died or hung while starting);
-    the message names the group and the cause. ``mmpipe serve`` prints it and exits with status 1."""
+    the message names the group and the cause. ``mmpipe serve`` prints it and exits with status 1.
+    ``group`` is the group that reported the failure itself (it is ending on its own), else None."""
+
+    def __init__(self, message: str, group: int | None = None) -> None:
+        super().__init__(message)
+        self.group = group
 
 
 GraphFactory = Callable[[dict[str, Any]], Any]  # (source spec) -> T2VGraph, run in each worker
@@ -153,8 +159,8 @@ class Engine:
             p.start()
         try:
             self._wait_ready()
-        except BaseException:
-            self._kill()
+        except BaseException as err:
+            self._kill(exiting=[err.group] if isinstance(err, ServeStartError) and err.group is not None else [])
             raise
         self._reader = threading.Thread(target=self._read_loop, name="mmpipe-serve-reader", daemon=True)
         self._reader.start()
@@ -205,7 +211,7 @@ class Engine:
             if msg[0] == "ready":
                 ready.add(msg[1])
             elif msg[0] == "fatal":
-                raise ServeStartError(f"serving group {msg[1]} failed to start: {msg[2]}")
+                raise ServeStartError(f"serving group {msg[1]} failed to start: {msg[2]}", group=msg[1])
 
     def placement_text(self) -> str:
         """Which stages each device group (worker process, rank) runs."""
@@ -363,16 +369,25 @@ class Engine:
             self._finish(tracked, JobStatus.CANCELLED)
         for inbox in self._inboxes:
             inbox.put(("stop",))
-        for p in self._procs:
-            p.join(timeout=10)
         self._closed = True
-        self._kill()
+        self._kill(exiting=range(len(self._procs)))
 
-    def _kill(self) -> None:
+    def _kill(self, exiting: Sequence[int] = ()) -> None:
+        """End the workers. Those in ``exiting`` have announced that they are ending and get the time
+        to do so; the others get SIGTERM, which a worker turns into an orderly exit, then SIGKILL.
+        An orderly exit runs the worker's exit handlers, which unlink the named semaphores it created
+        (tqdm's lock, for one); killed mid-way, it leaves them to the resource tracker, which warns
+        about leaked semaphores on the user's terminal when the front end exits."""
+        for g in exiting:
+            self._procs[g].join(timeout=EXIT_GRACE_S)
         for p in self._procs:
             if p.is_alive():
                 p.terminate()
-                p.join(timeout=5)
+        for p in self._procs:
+            p.join(timeout=EXIT_GRACE_S)
+            if p.is_alive():
+                p.kill()
+                p.join()
         if self._tmp:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
@@ -403,6 +418,8 @@ def _worker_main(
 
     # A terminal's Ctrl-C reaches the whole process group: the front end drains, then sends "stop".
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # SIGTERM (the front end ending a worker, see Engine._kill) exits through the exit handlers.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
     logging.basicConfig(level=logging.INFO, format=f"[serve group {group}] %(asctime)s %(levelname)s %(message)s")
     torch.set_num_threads(init["threads"])

@@ -11,9 +11,11 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -124,3 +126,20 @@ def graph_failing_on_prompt(spec: dict[str, Any]) -> Any:
 
     graph.text.tokenize = tokenize_or_raise
     return graph
+
+
+def graph_failing_to_start(spec: dict[str, Any]) -> Any:
+    """A ``graph_factory`` for a world of several groups: group 0 raises while building its graph;
+    the others block until the front end ends them, and record in ``exited-group{g}`` beside the
+    pipeline directory that their exit handlers ran (multiprocessing's finalizers, the ones that
+    unlink a process's named semaphores)."""
+    import multiprocessing.util
+
+    import torch.distributed as dist
+
+    group = dist.get_rank()
+    if group == 0:
+        raise RuntimeError("injected fault while building the graph")
+    marker = Path(spec["pipeline"]).parent / f"exited-group{group}"
+    multiprocessing.util.Finalize(None, marker.write_text, ("exit handlers ran",), exitpriority=0)
+    time.sleep(600)

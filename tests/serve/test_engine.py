@@ -7,6 +7,7 @@ one DiT group so that concurrent requests must share its batches.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import time
 from collections.abc import Iterator
@@ -14,11 +15,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from serve_doubles import graph_failing_to_start
 
 from mmpipe.config import ServeConfig
 from mmpipe.data import frames_to_uint8
 from mmpipe.pipelines import from_diffusers
-from mmpipe.serve.engine import Engine
+from mmpipe.serve.engine import Engine, ServeStartError
 from mmpipe.serve.metrics import ServeMetrics
 from mmpipe.serve.protocol import GenerationRequest, JobStatus
 
@@ -169,3 +171,22 @@ def test_a_dead_group_fails_its_requests_and_the_engine_refuses_new_ones(engine:
     assert not engine.healthy
     with pytest.raises(RuntimeError, match="serving group 1 died"):
         engine.submit(GenerationRequest(prompt="a red circle moving left"))
+
+
+def test_a_failed_start_ends_the_other_groups_through_their_exit_handlers(tiny_wan_dir: Path, tmp_path: Path) -> None:
+    """Group 0 fails to build its graph while group 1 is still busy: the engine reports group 0's
+    cause and ends group 1 with SIGTERM, which the worker turns into an orderly exit (a plain
+    SIGTERM would skip its finalizers, and the semaphores they unlink would be reported leaked)."""
+    pipeline = tmp_path / "pipeline"
+    shutil.copytree(tiny_wan_dir, pipeline)
+    cfg = ServeConfig(
+        pipeline=str(pipeline),
+        run_dir=str(tmp_path / "run"),
+        text_len=16,
+        placement={"text": [0], "denoise": [1], "decode": [0]},
+        threads=1,
+    )
+    with pytest.raises(ServeStartError, match="serving group 0 failed to start: RuntimeError: injected fault") as err:
+        Engine(cfg, graph_factory=graph_failing_to_start)
+    assert err.value.group == 0
+    assert (tmp_path / "exited-group1").read_text() == "exit handlers ran"
