@@ -5,15 +5,34 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.mmpipe-installed
 
-.PHONY: setup run test lint typecheck unit e2e clean
+.PHONY: setup lock run test lint typecheck unit e2e clean
 
-$(STAMP): pyproject.toml
+# constraints.txt holds the versions of the last `make lock`, so a new release cannot turn a clean
+# checkout red; `make CONSTRAINTS= setup` resolves the newest versions pyproject.toml's ranges allow.
+CONSTRAINTS ?= constraints.txt
+PIP_C := $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
+
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "torch==2.13.0"
-	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q $(PIP_C) "torch==2.13.0"
+	$(BIN)/pip install -q $(PIP_C) -e ".[dev]"
 	touch $(STAMP)
 
 setup: $(STAMP)
+
+# Re-resolve every dependency in a fresh venv and pin what it got. torch (pinned above; its CUDA build
+# pins its own triton and nvidia-* wheels) and xformers (pinned in pyproject's dev extra) stay out.
+LOCK_VENV := build/lock-venv
+lock:
+	rm -rf $(LOCK_VENV)
+	$(PYTHON) -m venv $(LOCK_VENV)
+	$(LOCK_VENV)/bin/pip install -q "torch==2.13.0"
+	$(LOCK_VENV)/bin/pip install -q -e ".[dev]"
+	{ sed -n '/^#/p' constraints.txt; \
+	  $(LOCK_VENV)/bin/pip freeze --exclude-editable | grep -v -i -E '^((torch|triton|xformers)==|nvidia-)'; \
+	} >constraints.txt.new
+	mv constraints.txt.new constraints.txt
+	rm -rf $(LOCK_VENV)
 
 RUN_DIR ?= runs/default-$(shell date +%Y%m%d-%H%M%S)
 

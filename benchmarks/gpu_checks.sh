@@ -14,7 +14,7 @@
 #   python3 -m pip wheel --no-deps -w .whl antlr4-python3-runtime==4.9.3   # omegaconf's; PyPI has no wheel of it
 #   python3 -m pip download $P -d .whl/cu12 nvidia-cuda-runtime-cu12==12.8.90
 #
-# (46 MB; the versions CI's venv resolved on 2026-12-03, checked to download; ftfy, which diffusers' Wan pipeline
+# (46 MB; constraints.txt's versions (a test holds them equal), checked to download; ftfy, which diffusers' Wan pipeline
 # imports where installed, needs wcwidth) and then
 # `run(command="bash benchmarks/gpu_checks.sh", carry=[".whl"], timeout_s=560)`. The steps together are
 # bounded by 510 s, so that with the machine's start the run fits a 15-minute lease; the kernel benchmark

@@ -8,6 +8,7 @@ install and is missing from a wheel: ``mmpipe.runtime`` once was, and every stag
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -15,6 +16,9 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -95,3 +99,62 @@ def test_diffusers_and_transformers_import_from_the_root() -> None:
     """Whether or not Hugging Face's kernels package is installed here (a fresh install has it)."""
     res = _from_the_root("import transformers.modeling_utils\nfrom diffusers import AutoencoderKLWan, WanPipeline")
     assert res.returncode == 0, res.stderr
+
+
+UNPINNED = {"torch", "triton", "xformers"}  # pinned by the Makefile, by torch's CUDA build, by the dev extra
+
+
+def _pins() -> dict[str, Version]:
+    pins: dict[str, Version] = {}
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        if not line.strip() or line.startswith("#"):
+            continue
+        req = Requirement(line)
+        specs = list(req.specifier)
+        assert len(specs) == 1 and specs[0].operator == "==", f"constraints.txt: {line!r} is not an exact pin"
+        name = canonicalize_name(req.name)
+        assert name not in pins, f"constraints.txt pins {name} twice"
+        pins[name] = Version(specs[0].version)
+    return pins
+
+
+def test_constraints_pin_every_dependency_inside_its_range() -> None:
+    """``make`` installs constraints.txt's versions: a pin outside pyproject.toml's range makes pip fail
+    to resolve, and a dependency without one floats to whatever release is newest on the day CI runs."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    pins = _pins()
+    assert UNPINNED & pins.keys() == set(), "constraints.txt must leave these to the Makefile and pyproject"
+    for text in [*project["dependencies"], *(r for extra in project["optional-dependencies"].values() for r in extra)]:
+        req = Requirement(text)
+        name = canonicalize_name(req.name)
+        if name in UNPINNED:
+            continue
+        assert name in pins, f"{name} has no pin in constraints.txt: run `make lock`"
+        assert req.specifier.contains(pins[name], prereleases=True), (
+            f"constraints.txt: {name}=={pins[name]} not in {text!r}"
+        )
+
+
+def test_make_installs_under_the_constraints(tmp_path: Path) -> None:
+    venv = tmp_path / "venv"
+    dry = subprocess.run(
+        ["make", "-n", "-B", f"VENV={venv}", "setup"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert dry.returncode == 0, dry.stderr
+    installs = [line for line in dry.stdout.splitlines() if f"{venv}/bin/pip install" in line]
+    assert len(installs) == 2 and all("-c constraints.txt" in line for line in installs), dry.stdout
+
+
+def test_the_gpu_checks_carry_the_pinned_versions() -> None:
+    """benchmarks/gpu_checks.sh's header lists the wheels to download for the device machine, which
+    reaches no registry; after a `make lock` they must move with the pins."""
+    script = (ROOT / "benchmarks" / "gpu_checks.sh").read_text()
+    header = script[: script.index("\nset -")]  # the comment block before the script's first command
+    named = {canonicalize_name(n): Version(v) for n, v in re.findall(r"([A-Za-z0-9_.-]+)==([0-9][^\s\\]*)", header)}
+    pins = _pins()
+    assert {"diffusers", "omegaconf", "antlr4-python3-runtime"} <= named.keys(), header
+    for name, version in named.items():
+        if name in pins:
+            assert version == pins[name], (
+                f"gpu_checks.sh downloads {name}=={version}, constraints.txt pins {pins[name]}"
+            )
