@@ -154,7 +154,7 @@ def choose_policies(
             best = PolicyChoice(r, o, n, math.ceil(held(o)), added)
     if best is None:
         raise ValueError(
-            f"no activation policy fits a budget of {budget_bytes / 2**30:.2f} GiB: at least "
-            f"{(least or 0) / 2**30:.2f} GiB with {inflight} micro-batches in flight"
+            f"no activation policy fits a budget of {budget_bytes / 2**30:.3g} GiB: at least "
+            f"{(least or 0) / 2**30:.3g} GiB with {inflight} micro-batch{'es' if inflight != 1 else ''} in flight"
         )
     return best

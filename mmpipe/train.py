@@ -318,7 +318,7 @@ def apply_memory(graph: Graph, placement: dict[str, DeviceGroup], plan: Plan, cf
                 recompute, offload = 0.0, 1.0
             case "auto":
                 assert m.budget_gb is not None
-                recompute, offload = auto_memory(graph, stage, group, plan, cfg, int(m.budget_gb * 2**30))
+                recompute, offload = auto_memory(graph, stage, group, plan, cfg, m.budget_gb)
         out[stage] = dataclasses.replace(group, recompute=recompute, offload=offload)
     return out
 
@@ -334,7 +334,7 @@ def count_blocks(graph: Graph, stage: str) -> int:
 
 
 def auto_memory(
-    graph: Graph, stage: str, group: DeviceGroup, plan: Plan, cfg: RunConfig, budget: int
+    graph: Graph, stage: str, group: DeviceGroup, plan: Plan, cfg: RunConfig, budget_gb: float
 ) -> tuple[float, float]:
     """The budget planner's fractions for ``stage`` on one of its ranks: its cost measured on the meta
     device for this run's shapes, the micro-batches the schedule keeps in flight on that rank, and
@@ -359,10 +359,13 @@ def auto_memory(
     fixed = 16 * per_sample.params // len(group.ranks) if stage in plan.trainable else 0
     try:
         choice = choose_policies(
-            pricing, budget_bytes=budget, inflight=inflight_micro_batches(plan, stage), fixed_bytes=fixed
+            pricing,
+            budget_bytes=int(budget_gb * 2**30),
+            inflight=inflight_micro_batches(plan, stage),
+            fixed_bytes=fixed,
         )
     except ValueError as err:
-        raise PlanError(f"memory.{stage}.budget_gb={budget / 2**30:g}: {err}") from None
+        raise PlanError(f"memory.{stage}.budget_gb={budget_gb:g}: {err}") from None
     logger.info("memory.%s: %d of %d blocks recomputed, %d offloaded (%.2f GiB a rank)", stage,
                 choice.recompute, choice.blocks, choice.offload, choice.resident_bytes / 2**30)  # fmt: skip
     return choice.fractions

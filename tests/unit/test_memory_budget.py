@@ -128,6 +128,11 @@ def test_memory_auto_in_a_run_config_sets_the_plans_fractions(tmp_path) -> None:
     assert tight.actions == roomy.actions  # policies change no action
     with pytest.raises(PlanError, match=r"memory.dit.budget_gb=0.05: no activation policy fits"):
         make_plans(graph, _run_config(tmp_path, 0.05))
+    # the value as the user wrote it (not rounded through bytes), a tiny budget in significant digits (1073 bytes)
+    with pytest.raises(
+        PlanError, match=r"budget_gb=1e-06: .* budget of 9\.99e-07 GiB: at least 0\.0\d+ GiB with 1 micro-batch in"
+    ):
+        make_plans(graph, _run_config(tmp_path, 1e-6))
 
 
 def test_memory_config_errors_name_the_values() -> None:
