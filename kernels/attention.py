@@ -43,7 +43,7 @@ from typing import Any, Literal, NamedTuple, overload
 
 import torch
 
-from mmpipe.kernels._triton import AVAILABLE, INTERPRETED, can_run
+from mmpipe.kernels._triton import AVAILABLE, INTERPRETED, can_run, output
 
 if AVAILABLE:
     import triton
@@ -864,8 +864,9 @@ def _precision(dtype: torch.dtype) -> str:
 
 
 def _poisoned(shape: torch.Size | tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A NaN-filled output buffer: an element the kernels fail to write shows up."""
-    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    """An output buffer, NaN-filled in tests (``mmpipe.kernels._triton.poisoning``): an element the
+    kernels fail to write shows up."""
+    return output(shape, dtype, device)
 
 
 def _poisoned_like(t: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from mmpipe.kernels._triton import AVAILABLE, can_run, row_warps
+from mmpipe.kernels._triton import AVAILABLE, can_run, output, output_like, row_warps
 
 if AVAILABLE:
     import triton
@@ -204,7 +204,7 @@ def _mod_grads(x: torch.Tensor, per_token: bool, chunks: int, acc: torch.dtype) 
     """A poisoned buffer for a modulation gradient of ``x``'s modulation: per token ``(B, S, D)``, or per
     sample one partial sum per backward program ``(B, chunks, D)``."""
     B, S, D = x.shape
-    return torch.full((B, S if per_token else chunks, D), float("nan"), dtype=acc, device=x.device)
+    return output((B, S if per_token else chunks, D), acc, x.device)
 
 
 def _row_meta(D: int, acc: torch.dtype, rms: bool) -> dict[str, Any]:
@@ -252,9 +252,9 @@ def _fwd(
     B, S, D = x.shape
     x, shift, scale = x.contiguous(), shift.contiguous(), scale.contiguous()
     acc = _acc_dtype(x)
-    out = torch.full_like(x, float("nan"))  # poisoned: an element the kernel misses stays NaN
-    mean = torch.full((B * S,), float("nan"), dtype=acc, device=x.device)
-    rstd = torch.full((B * S,), float("nan"), dtype=acc, device=x.device)
+    out = output_like(x)  # poisoned in tests: an element the kernel misses stays NaN
+    mean = output((B * S,), acc, x.device)
+    rstd = output((B * S,), acc, x.device)
     if B * S:
         _norm_modulate_fwd_kernel[(B * S,)](
             x, shift, scale, out, mean, rstd, S, D, mod_sb, mod_ss, eps,
@@ -280,7 +280,7 @@ def _bwd(
     per_token = mod_ss != 0
     rows = _rows_per_program(B, S, x.device)
     chunks = triton.cdiv(S, rows)
-    dx = torch.full_like(x, float("nan"))
+    dx = output_like(x)
     dshift, dscale = (_mod_grads(x, per_token, chunks, mean.dtype) for _ in range(2))
     if B * S:
         _norm_modulate_bwd_kernel[(chunks, B)](
@@ -361,9 +361,9 @@ def _gated_fwd(
     B, S, D = x.shape
     x, y, gate, shift, scale = (t.contiguous() for t in (x, y, gate, shift, scale))
     acc = _acc_dtype(x)
-    h, out = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
-    mean = torch.full((B * S,), float("nan"), dtype=acc, device=x.device)
-    rstd = torch.full((B * S,), float("nan"), dtype=acc, device=x.device)
+    h, out = output_like(x), output_like(x)
+    mean = output((B * S,), acc, x.device)
+    rstd = output((B * S,), acc, x.device)
     if B * S:
         _gated_fwd_kernel[(B * S,)](
             x, y, gate, shift, scale, h, out, mean, rstd, S, D, mod_sb, mod_ss, eps,
@@ -398,7 +398,7 @@ def _gated_bwd(
     per_token = mod_ss != 0
     rows = _rows_per_program(B, S, h.device)
     chunks = triton.cdiv(S, rows)
-    dx, dy = torch.full_like(h, float("nan")), torch.full_like(y, float("nan"))
+    dx, dy = output_like(h), output_like(y)
     dgate, dscale = (_mod_grads(h, per_token, chunks, mean.dtype) for _ in range(2))
     if B * S:
         _gated_bwd_kernel[(chunks, B)](

@@ -9,6 +9,9 @@ from pathlib import Path
 # on only where there is no GPU, and on a GPU machine those tests would otherwise refuse their CPU
 # tensors. Set before the first `import triton`; an explicit TRITON_INTERPRET (gpu_checks.sh: 0) wins.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# Kernel outputs start NaN-filled in every test, compiled ones too (off in users' runs, where the
+# fill would cost a full write of each output): an element a kernel fails to write fails the test.
+os.environ.setdefault("MMPIPE_KERNEL_POISON", "1")
 
 import pytest
 

@@ -78,11 +78,28 @@ def test_norm_modulate_rejects_mismatched_modulation() -> None:
         norm_modulate(x, torch.zeros(2, 1, 8, dtype=torch.float64), torch.zeros(1, 1, 8, dtype=torch.float64))
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_rope3d_forward_and_backward_match_the_reference(head_dim: int) -> None:
+def test_kernel_outputs_are_poisoned_in_tests_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_triton, "INTERPRETED", False)  # as on a GPU
+    monkeypatch.delenv(_triton.POISON_ENV, raising=False)
+    assert not _triton.poisoning()  # a user's run pays no NaN fill
+    monkeypatch.setenv(_triton.POISON_ENV, "1")  # what tests/conftest.py sets
+    assert _triton.poisoning() and _triton.output((3,), torch.float32, torch.device("cpu")).isnan().all()
+    monkeypatch.setattr(_triton, "INTERPRETED", True)
+    monkeypatch.setenv(_triton.POISON_ENV, "0")
+    assert _triton.poisoning()  # interpreted: always
+
+
+# (batch, tokens, heads, head dim): the tiles of the kernel (a few tokens x 1-16 heads) leave a ragged
+# last token tile (2 x 13 tokens), several head tiles (12 heads in 4s, 40 in 8s), and a head dim
+# that is not a power of two (96: its channel run is masked)
+ROPE_SHAPES = [(2, 60, 3, 64), (2, 60, 3, 128), (2, 13, 40, 64), (1, 47, 12, 96)]
+
+
+@pytest.mark.parametrize("shape", ROPE_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_rope3d_forward_and_backward_match_the_reference(shape: tuple[int, int, int, int]) -> None:
     seed = _seed()
     grid = (3, 4, 5)
-    x = torch.randn(2, 60, 3, head_dim, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(*shape, dtype=torch.float64, requires_grad=True)
     dy = torch.randn_like(x)
     out, ref = rope3d(x, grid), rope3d_reference(x, grid)
     torch.testing.assert_close(out, ref, **F64, msg=f"seed {seed}")
