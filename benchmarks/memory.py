@@ -15,11 +15,16 @@ policy auto needs at its longest length, applied at the longest length keep fits
 ``t(policy) / t(keep) - 1``, medians of ``--reps`` steps of each, interleaved (keep, policy, keep,
 ...) after a warm-up step of each, so that both see the same machine; and the same ratio at auto's
 longest length, where keep-everything runs without the cap (``overhead_at_max_len_auto``). The cap
-defaults to what keep-everything needs at ``--cap-frames`` latent frames. The last stdout line is
+defaults to what keep-everything needs at ``--cap-frames`` latent frames; lengths are swept every
+``--frame-step`` frames. ``--curve`` adds, at keep's longest length, the overhead of the policy auto
+chose for each longer length (what each multiple of the length costs) and of a recomputation-only
+policy for auto's longest length (what the offload tier saves or costs). The last stdout line is
 one JSON object.
 
     python benchmarks/memory.py                  # CPU, float32, file tier, about two minutes on 2 cores
-    python benchmarks/memory.py --device cuda    # GPU, bf16, pinned host tier, 12 heads x 128
+    # GPU, bf16, pinned host tier, 12 heads x 128; a cap at 16k tokens (64 frames), where a step is
+    # bound by the GPU's compute rather than by launching kernels (at 2k tokens it is: ~50 ms a step)
+    python benchmarks/memory.py --device cuda --cap-frames 64 --max-frames 256 --frame-step 32 --reps 5 --curve
 """
 
 from __future__ import annotations
@@ -126,7 +131,8 @@ def fixed_bytes(setup: Setup) -> int:
     return 16 * sum(p.numel() for p in pristine(setup).parameters())
 
 
-def auto_choice(setup: Setup, frames: int, cap: int) -> Any:
+def auto_choice(setup: Setup, frames: int, cap: int, *, offload: bool = True) -> Any:
+    """The planner's choice at ``frames`` under ``cap`` (``offload=False``: recomputation only)."""
     stage = build_stage(setup)
     shapes = {k: (tuple(v.shape), v.dtype) for k, v in inputs(setup, frames).items()}
     cost = measure_stage_cost(stage, shapes, dtype=setup.dtype, seed=0)
@@ -135,7 +141,11 @@ def auto_choice(setup: Setup, frames: int, cap: int) -> Any:
     pricing = BlockPricing.from_cost(
         cost, flops_per_s=setup.flops_per_s, offload_bytes_per_s=setup.offload_bytes_per_s, hidden_s=hidden
     )
-    return choose_policies(pricing, budget_bytes=cap, inflight=1, fixed_bytes=fixed_bytes(setup))
+    return choose_policies(pricing, budget_bytes=cap, inflight=1, fixed_bytes=fixed_bytes(setup), offload=offload)
+
+
+def counts(choice: Any) -> dict[str, int]:
+    return {"recompute": choice.recompute, "offload": choice.offload, "blocks": choice.blocks}
 
 
 def interleaved_medians(
@@ -174,7 +184,14 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=0, help="default: 32 on CPU, 128 on CUDA")
     parser.add_argument("--cap-frames", type=int, default=2, help="the cap: what keep needs at this many frames")
     parser.add_argument("--max-frames", type=int, default=16)
+    parser.add_argument("--frame-step", type=int, default=1, help="latent frames between the lengths swept")
     parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument(
+        "--curve",
+        action="store_true",
+        help="also time, at keep's longest length, the policy auto chose at each longer length it fits, and a "
+        "recomputation-only policy for auto's longest length (how the overhead grows with the length bought)",
+    )
     args = parser.parse_args()
     diffusers_logging.set_verbosity_error()
     setup = make_setup(args)
@@ -184,7 +201,13 @@ def main() -> None:
     cap = step(setup, args.cap_frames, None, tier)[0] + fixed
     max_keep = max_auto = 0
     chosen: dict[int, Any] = {}
-    for frames in range(1, args.max_frames + 1):
+    if args.frame_step < 1 or args.cap_frames < 1 or args.max_frames < args.cap_frames:
+        raise SystemExit(
+            f"--frame-step {args.frame_step}, --cap-frames {args.cap_frames}, --max-frames {args.max_frames}: "
+            "need steps and a cap of at least one frame and --max-frames >= --cap-frames"
+        )
+    lengths = sorted({*range(args.frame_step, args.max_frames + 1, args.frame_step), args.cap_frames})
+    for frames in lengths:
         keep_held, _ = step(setup, frames, None, tier)
         if keep_held + fixed <= cap:
             max_keep = frames
@@ -203,6 +226,22 @@ def main() -> None:
     keep_t, auto_t = interleaved_medians(setup, max_keep, policy, tier, args.reps)
     # and at auto's longest length against keep-everything run there without the cap
     long_keep_t, long_auto_t = interleaved_medians(setup, max_auto, policy, tier, args.reps)
+    extra: dict[str, Any] = {}
+    if args.curve:
+        curve = []
+        for frames, choice in sorted(chosen.items()):
+            if max_keep < frames < max_auto:  # (auto's longest is the headline figure above)
+                k, a = interleaved_medians(setup, max_keep, choice.policies(), tier, args.reps)
+                curve.append({"len": frames * TOKENS, "policy": counts(choice), "overhead": round(a / k - 1, 4)})
+                print(f"policy for {frames * TOKENS} tokens at {max_keep * TOKENS}: {a / k - 1:+.1%}", flush=True)
+        extra["overhead_curve"] = curve
+        try:
+            plain = auto_choice(setup, max_auto, cap, offload=False)
+        except ValueError as err:
+            extra["recompute_only"] = {"fits": False, "why": str(err)}
+        else:
+            k, a = interleaved_medians(setup, max_keep, plain.policies(), tier, args.reps)
+            extra["recompute_only"] = {"policy": counts(plain), "overhead": round(a / k - 1, 4)}
     result = {
         "device": torch.cuda.get_device_name(setup.device) if setup.cuda else "cpu",
         "tier": type(tier).__name__,
@@ -212,11 +251,7 @@ def main() -> None:
         "max_len_keep": max_keep * TOKENS,
         "max_len_auto": max_auto * TOKENS,
         "max_len_ratio": round(max_auto / max_keep, 3),
-        "auto_policy": {
-            "recompute": chosen[max_auto].recompute,
-            "offload": chosen[max_auto].offload,
-            "blocks": setup.layers,
-        },
+        "auto_policy": counts(chosen[max_auto]),
         "overhead_at_len": max_keep * TOKENS,
         "keep_step_s": round(keep_t, 4),
         "auto_step_s": round(auto_t, 4),
@@ -224,7 +259,7 @@ def main() -> None:
         "overhead_at_max_len_auto": round(long_auto_t / long_keep_t - 1, 4),  # keep there ignores the cap
         "offloaded_bytes": tier.stats.offloaded_bytes,
         "prefetched_bytes": tier.stats.prefetched_bytes,
-    }
+    } | extra
     tier.close()
     shutil.rmtree(spill, ignore_errors=True)
     print(json.dumps(result))

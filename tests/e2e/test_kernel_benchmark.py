@@ -64,3 +64,15 @@ def test_a_sigterm_reports_what_was_measured() -> None:
     report = json.loads(rest.strip().splitlines()[-1])
     assert report["results"] and report["results"][0]["kernel"] == "norm_modulate"
     assert [e["error"] for e in report["errors"]] == ["SIGTERM (time limit): the rest was not measured"]
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "benchmarks").glob("*.py") if p.name != "kernels.py"))
+def test_benchmark_scripts_start_beside_the_kernel_benchmark(script: str) -> None:
+    """``python benchmarks/<script>`` puts benchmarks/ first on sys.path, where ``kernels.py`` would stand
+    in for Hugging Face's ``kernels`` package (diffusers imports it where transformers installed it) and
+    every script importing diffusers died at its imports; the benchmark hands the name over instead."""
+    done = subprocess.run(
+        [sys.executable, f"benchmarks/{script}", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "usage:" in done.stdout
