@@ -16,11 +16,17 @@
 #
 # (46 MB; constraints.txt's versions (a test holds them equal), checked to download; ftfy, which diffusers' Wan pipeline
 # imports where installed, needs wcwidth) and then
-# `run(command="bash benchmarks/gpu_checks.sh", carry=[".whl"], timeout_s=560)`. The steps together are
+# `run(command="bash benchmarks/gpu_checks.sh", carry=[".whl"], timeout_s=520)`; arguments pick steps
+# (`bash benchmarks/gpu_checks.sh memory`: the installs, the preflight and that step alone; the default
+# is all of tests, kernels and memory). The steps together are
 # bounded by 450 s, so that with the machine's start the run fits a 15-minute lease; the kernel benchmark
 # runs before the memory benchmark, which gets what the others left; on its limit the kernel benchmark prints what it measured (SIGTERM) before it is killed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+STEPS=" ${*:-tests kernels memory} "
+for step in $STEPS; do
+    case $step in tests | kernels | memory) ;; *) echo "gpu_checks.sh: unknown step '$step' (tests, kernels, memory)"; exit 2 ;; esac
+done
 OUT="${OUT:-gpu-out}"
 mkdir -p "$OUT"
 SITE=/tmp/mmpipe-site
@@ -42,14 +48,14 @@ END=$((SECONDS + 450))
 # Preflight: a module missing from the carried wheels costs seconds here, not a step
 timeout 60 python3 -P -c "import mmpipe.presets, mmpipe.stages.dit, mmpipe.memory.host, mmpipe.kernels.attention, xformers.ops" \
     2>&1 | tee "$OUT/preflight.log" || status=1
-TRITON_INTERPRET=0 timeout 90 python3 -P -m pytest -q -p no:cacheprovider tests/unit/test_memory_host_tier.py tests/unit/test_attention_cuda.py \
-    tests/unit/test_attention_xformers.py tests/unit/test_kernels_cuda.py 2>&1 | tee "$OUT/tests.log" || status=1
+[[ $STEPS == *" tests "* ]] && { TRITON_INTERPRET=0 timeout 90 python3 -P -m pytest -q -p no:cacheprovider tests/unit/test_memory_host_tier.py tests/unit/test_attention_cuda.py \
+    tests/unit/test_attention_xformers.py tests/unit/test_kernels_cuda.py 2>&1 | tee "$OUT/tests.log" || status=1; }
 # the kernel benchmark took 115 s on an H200 (2026-12-04); on its limit it prints what it measured (SIGTERM)
-TRITON_INTERPRET=0 timeout -k 10 170 python3 -P benchmarks/kernels.py 2>&1 | tee "$OUT/kernels.log" || status=1
+[[ $STEPS == *" kernels "* ]] && { TRITON_INTERPRET=0 timeout -k 10 170 python3 -P benchmarks/kernels.py 2>&1 | tee "$OUT/kernels.log" || status=1
+    tail -n 1 "$OUT/kernels.log" >"$OUT/kernels.json"; }
 # the memory benchmark where a step is bound by compute (a cap at 16k tokens), with the curve; the time left
 LEFT=$((END - SECONDS))
-timeout $((LEFT > 120 ? LEFT : 120)) python3 -P benchmarks/memory.py --device cuda --cap-frames 64 --max-frames 192 \
-    --frame-step 32 --reps 5 --curve 2>&1 | tee "$OUT/memory.log" || status=1
-tail -n 1 "$OUT/memory.log" >"$OUT/memory.json"
-tail -n 1 "$OUT/kernels.log" >"$OUT/kernels.json"
+[[ $STEPS == *" memory "* ]] && { timeout $((LEFT > 120 ? LEFT : 120)) python3 -P benchmarks/memory.py --device cuda \
+    --cap-frames 64 --max-frames 192 --frame-step 32 --reps 5 --curve 2>&1 | tee "$OUT/memory.log" || status=1
+    tail -n 1 "$OUT/memory.log" >"$OUT/memory.json"; }
 exit $status

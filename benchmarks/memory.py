@@ -10,11 +10,20 @@ policy under the cap, runs it (recompute and/or offload) and checks it the same 
 to the file tier on CPU and to pinned host memory (``HostTier``: side-stream copies, prefetch in
 the backward) on CUDA.
 
-Printed: the longest length that fits each way and their ratio, and the step-time overhead of the
-policy auto needs at its longest length, applied at the longest length keep fits (both run there):
+Printed: the longest length that fits each way and their ratio, and step-time overheads
 ``t(policy) / t(keep) - 1``, medians of ``--reps`` steps of each, interleaved (keep, policy, keep,
-...) after a warm-up step of each, so that both see the same machine; and the same ratio at auto's
-longest length, where keep-everything runs without the cap (``overhead_at_max_len_auto``). The cap
+...) after a warm-up step of each, so that both see the same machine:
+
+- ``overhead``: at the longest length both fit (keep's longest), auto as a run with this cap gets
+  it: the policy the planner chooses for that length (at the cap's edge it still recomputes or
+  offloads what its estimate says does not fit);
+- ``overhead_longest_policy``: at the same length, the policy auto needs at its *longest* length
+  (a stress figure: a run planned for long sequences that meets short ones; compute shrinks with
+  the length faster than the bytes the policy moves, so offloading costs most there);
+- ``overhead_at_max_len_auto``: at auto's longest length, its policy against keep-everything run
+  there without the cap (what fitting that length costs).
+
+The cap
 defaults to what keep-everything needs at ``--cap-frames`` latent frames; lengths are swept every
 ``--frame-step`` frames. ``--curve`` adds, at keep's longest length, the overhead of the policy auto
 chose for each longer length (what each multiple of the length costs) and of a recomputation-only
@@ -24,7 +33,7 @@ one JSON object.
     python benchmarks/memory.py                  # CPU, float32, file tier, about two minutes on 2 cores
     # GPU, bf16, pinned host tier, 12 heads x 128; a cap at 16k tokens (64 frames), where a step is
     # bound by the GPU's compute rather than by launching kernels (at 2k tokens it is: ~50 ms a step)
-    python benchmarks/memory.py --device cuda --cap-frames 64 --max-frames 256 --frame-step 32 --reps 5 --curve
+    python benchmarks/memory.py --device cuda --cap-frames 64 --max-frames 192 --frame-step 32 --reps 5 --curve
 """
 
 from __future__ import annotations
@@ -222,8 +231,13 @@ def main() -> None:
         if held + fixed <= cap:
             max_auto, chosen[frames] = frames, choice
     assert max_keep >= 1 and max_auto >= max_keep
+    keep_t, auto_t = interleaved_medians(setup, max_keep, chosen[max_keep].policies(), tier, args.reps)
+    print(f"auto's own policy at {max_keep * TOKENS} tokens: {auto_t / keep_t - 1:+.1%}", flush=True)
     policy = chosen[max_auto].policies()
-    keep_t, auto_t = interleaved_medians(setup, max_keep, policy, tier, args.reps)
+    stress_keep_t, stress_t = interleaved_medians(setup, max_keep, policy, tier, args.reps)
+    print(
+        f"policy for {max_auto * TOKENS} tokens at {max_keep * TOKENS}: {stress_t / stress_keep_t - 1:+.1%}", flush=True
+    )
     # and at auto's longest length against keep-everything run there without the cap
     long_keep_t, long_auto_t = interleaved_medians(setup, max_auto, policy, tier, args.reps)
     extra: dict[str, Any] = {}
@@ -253,9 +267,11 @@ def main() -> None:
         "max_len_ratio": round(max_auto / max_keep, 3),
         "auto_policy": counts(chosen[max_auto]),
         "overhead_at_len": max_keep * TOKENS,
+        "overhead_policy": counts(chosen[max_keep]),
         "keep_step_s": round(keep_t, 4),
         "auto_step_s": round(auto_t, 4),
         "overhead": round(auto_t / keep_t - 1, 4),
+        "overhead_longest_policy": round(stress_t / stress_keep_t - 1, 4),
         "overhead_at_max_len_auto": round(long_auto_t / long_keep_t - 1, 4),  # keep there ignores the cap
         "offloaded_bytes": tier.stats.offloaded_bytes,
         "prefetched_bytes": tier.stats.prefetched_bytes,
