@@ -64,7 +64,7 @@ if AVAILABLE:
 
 TILE = 4096
 """Elements of ``x`` a program rotates (a few tokens' heads): 8 KiB in 16-bit, 32 a thread in its four
-warps (two 16-byte loads of each half of a pair's channels)."""
+warps (four 16-byte loads and stores a thread in 16-bit)."""
 
 
 def head_block(heads: int) -> int:
