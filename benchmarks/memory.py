@@ -202,6 +202,11 @@ def main() -> None:
         "recomputation-only policy for auto's longest length (how the overhead grows with the length bought)",
     )
     args = parser.parse_args()
+    if args.frame_step < 1 or args.cap_frames < 1 or args.max_frames < args.cap_frames:
+        raise SystemExit(
+            f"--frame-step {args.frame_step}, --cap-frames {args.cap_frames}, --max-frames {args.max_frames}: "
+            "need steps and a cap of at least one frame and --max-frames >= --cap-frames"
+        )
     diffusers_logging.set_verbosity_error()
     setup = make_setup(args)
     spill = Path(tempfile.mkdtemp(prefix="mmpipe-bench-spill-"))
@@ -210,11 +215,6 @@ def main() -> None:
     cap = step(setup, args.cap_frames, None, tier)[0] + fixed
     max_keep = max_auto = 0
     chosen: dict[int, Any] = {}
-    if args.frame_step < 1 or args.cap_frames < 1 or args.max_frames < args.cap_frames:
-        raise SystemExit(
-            f"--frame-step {args.frame_step}, --cap-frames {args.cap_frames}, --max-frames {args.max_frames}: "
-            "need steps and a cap of at least one frame and --max-frames >= --cap-frames"
-        )
     lengths = sorted({*range(args.frame_step, args.max_frames + 1, args.frame_step), args.cap_frames})
     for frames in lengths:
         keep_held, _ = step(setup, frames, None, tier)

@@ -43,7 +43,7 @@ from typing import Any, Literal, NamedTuple, overload
 
 import torch
 
-from mmpipe.kernels._triton import AVAILABLE, INTERPRETED, can_run, output
+from mmpipe.kernels._triton import AVAILABLE, INTERPRETED, can_run, output, output_like
 
 if AVAILABLE:
     import triton
@@ -863,16 +863,6 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype in (torch.float32, torch.float64) or _upcast(dtype) else "tf32"
 
 
-def _poisoned(shape: torch.Size | tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """An output buffer, NaN-filled in tests (``mmpipe.kernels._triton.poisoning``): an element the
-    kernels fail to write shows up."""
-    return output(shape, dtype, device)
-
-
-def _poisoned_like(t: torch.Tensor) -> torch.Tensor:
-    return _poisoned(t.shape, t.dtype, t.device)
-
-
 class _Layout(NamedTuple):
     """Where the kernels find ``n_seqs`` sequences of ``heads`` heads.
 
@@ -1001,7 +991,7 @@ def _launch_backward(
     dq, dk, dv = grads
     meta = _meta(q.dtype, q.shape[-1], causal, layout.varlen, blocks)
     rows = layout.n_seqs * layout.heads
-    delta = _poisoned(lse.shape, _acc_dtype(q.dtype), q.device)  # laid out like the LSE, contiguous
+    delta = output(lse.shape, _acc_dtype(q.dtype), q.device)  # laid out like the LSE, contiguous
     pre_m = meta.get("BLOCK_M", 64)  # a row sum: its tile is independent of the others'
     _bwd_preprocess_kernel[(triton.cdiv(layout.s_max, pre_m), rows)](
         out,
@@ -1052,8 +1042,8 @@ def _forward(
     _check_inputs(q_BHSD, k_BHTD, v_BHTD)
     _check_runnable(q_BHSD, k_BHTD, v_BHTD)
     B, H, S, _ = q_BHSD.shape
-    out_BHSD = _poisoned(q_BHSD.shape, q_BHSD.dtype, q_BHSD.device)
-    lse_BHS = _poisoned((B, H, S), _acc_dtype(q_BHSD.dtype), q_BHSD.device)
+    out_BHSD = output(q_BHSD.shape, q_BHSD.dtype, q_BHSD.device)
+    lse_BHS = output((B, H, S), _acc_dtype(q_BHSD.dtype), q_BHSD.device)
     if B * H * S > 0:
         layout = _layout(B, H, S, k_BHTD.shape[2])
         _launch_forward(q_BHSD, k_BHTD, v_BHTD, out_BHSD, lse_BHS, layout, causal, scale, blocks)
@@ -1083,7 +1073,7 @@ def _backward(
     _check_runnable(dout_BHSD, q_BHSD, k_BHTD, v_BHTD, out_BHSD, lse_BHS)
     dout_BHSD = dout_BHSD.to(q_BHSD.dtype)  # the matmul operands share one dtype
     B, H, S, _ = q_BHSD.shape
-    grads = _poisoned_like(q_BHSD), _poisoned_like(k_BHTD), _poisoned_like(v_BHTD)
+    grads = output_like(q_BHSD), output_like(k_BHTD), output_like(v_BHTD)
     dq_BHSD, dk_BHTD, dv_BHTD = grads
     if B * H == 0:
         return dq_BHSD, dk_BHTD, dv_BHTD
@@ -1127,8 +1117,8 @@ def _varlen_forward(
     """``(out_PHD, lse_HP)`` of packed sequences by the forward kernel."""
     layout = _varlen_layout(q_PHD, k_RHD, v_RHD, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     P, H, _ = q_PHD.shape
-    out_PHD = _poisoned(q_PHD.shape, q_PHD.dtype, q_PHD.device)
-    lse_HP = _poisoned((H, P), _acc_dtype(q_PHD.dtype), q_PHD.device)
+    out_PHD = output(q_PHD.shape, q_PHD.dtype, q_PHD.device)
+    lse_HP = output((H, P), _acc_dtype(q_PHD.dtype), q_PHD.device)
     if P * H > 0:
         _launch_forward(q_PHD, k_RHD, v_RHD, out_PHD, lse_HP, layout, causal, scale, blocks)
     return out_PHD, lse_HP
@@ -1154,7 +1144,7 @@ def _varlen_backward(
     _check_varlen_grad_inputs(dout_PHD, q_PHD, out_PHD, lse_HP)
     _check_runnable(dout_PHD, q_PHD, out_PHD, lse_HP)
     dout_PHD = dout_PHD.to(q_PHD.dtype)  # the matmul operands share one dtype
-    grads = _poisoned_like(q_PHD), _poisoned_like(k_RHD), _poisoned_like(v_RHD)
+    grads = output_like(q_PHD), output_like(k_RHD), output_like(v_RHD)
     dq_PHD, dk_RHD, dv_RHD = grads
     P, H, _ = q_PHD.shape
     if H == 0:
