@@ -115,7 +115,7 @@ class TrainConfig:
     warmup_steps: int = 20
     weight_decay: float = 0.01
     grad_clip: float = 1.0
-    bf16: bool = False
+    precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 on CUDA (fp32 master weights), fp32 on CPU
     seed: int = 0
     log_every: int = 10
     val_every: int = 100
@@ -143,6 +143,9 @@ class LaunchConfig:
     max_restarts: int = 0  # restart the whole group after a worker dies, resuming from the last checkpoint
     timeout_s: float = 300.0  # collectives and point-to-point ops fail after this long instead of hanging
     master_port: int = 0  # 0: pick a free port
+    # auto: NCCL on CUDA (one rank per GPU), gloo on CPU; gloo on CUDA lets ranks share a GPU
+    # (edge tensors staged through host memory), as on a one-GPU machine
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
 
     def __post_init__(self) -> None:
         _positive("launch", self, "nproc", "timeout_s")
@@ -215,6 +218,7 @@ class RunConfig:
     """Root config of ``mmpipe train``."""
 
     run_dir: str | None = None  # None: runs/<model>-<timestamp>
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA when a GPU is visible
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
@@ -251,6 +255,7 @@ class GenerateConfig:
     """Root config of ``mmpipe generate``: a trained run directory and what to render."""
 
     ckpt: str | None = None
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA when a GPU is visible (bf16 there)
     prompt: str = "a red circle moving left"
     negative_prompt: str = ""
     steps: int = 20
@@ -294,6 +299,7 @@ class ServeConfig:
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     pipeline: str | None = None
     ckpt: str | None = None
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA when a GPU is visible (bf16 there)
     model_name: str = "mmpipe-wan"  # the model id clients send (GET /v1/models lists it)
     text_len: int = 0  # prompt tokens; 0: model.text_len for the preset, 512 (WanPipeline's) for pipeline=DIR
     run_dir: str | None = None  # events, memory samples and the config; None: runs/serve-<timestamp>
@@ -391,6 +397,7 @@ class ProfileConfig:
 
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA when a GPU is visible
     micro_size: int = 1  # samples per micro-batch of the first run; the second run doubles it
     micro_batches: int = 4
     steps: int = 6

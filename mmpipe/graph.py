@@ -162,7 +162,16 @@ class Stage(abc.ABC):
         """Parameter count of the built module."""
         return sum(p.numel() for p in self.module.parameters())
 
+    def device(self) -> torch.device:
+        """Where the built module's parameters live (CPU for a module without parameters)."""
+        param = next(self.module.parameters(), None)
+        return param.device if param is not None else torch.device("cpu")
+
     def __call__(self, inputs: Mapping[str, Any], **options: Any) -> dict[str, Any]:
+        # Inputs follow the module: a graph's stages may sit on different devices (a CUDA DiT fed
+        # by CPU-side tokens), and a no-op .to() costs nothing where they already match.
+        device = self.device()
+        inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
         # Frozen stages never build an autograd graph: they are pure producers of edge tensors.
         with torch.set_grad_enabled(torch.is_grad_enabled() and not self.frozen):
             return self.forward(self.module, inputs, **options)

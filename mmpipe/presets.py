@@ -143,3 +143,39 @@ def save_tiny_wan_pipeline(spec: ModelConfig, texts: Sequence[str], path: str | 
     pipe: Any = build_tiny_wan_pipeline(spec, texts, seed=seed)
     pipe.save_pretrained(path)
     return path
+
+
+def build_full_wan_pipeline(
+    spec: ModelConfig, texts: Sequence[str], *, device: str | torch.device, seed: int = 0
+) -> WanPipeline:
+    """A ``WanPipeline`` of an architecture preset's full-size modules (``model=wan1_3b_t2v``) with
+    random weights, built directly on ``device`` (nothing is downloaded): the text encoder and the
+    DiT in bf16, the VAE in float32, as diffusers' Wan examples load them. For GPU benchmarks and
+    tests; the tokenizer is the word tokenizer of ``texts`` (ids stay inside the real vocabulary)."""
+    from transformers import AutoConfig
+
+    arch = dict(spec.arch or {})
+    missing = [k for k in ("text", "vae", "dit") if not arch.get(k)]
+    if missing or spec.kind != "t2v":
+        raise ValueError(f"model {spec.name!r}: a full-size Wan pipeline needs a t2v arch preset; missing {missing}")
+    text_kw = dict(arch["text"])
+    text_cfg = AutoConfig.for_model(text_kw.pop("model_type"), **text_kw)
+    vae_kw = {k: v for k, v in arch["vae"].items() if k != "class"}
+    dit_kw = {k: v for k, v in arch["dit"].items() if k != "class"}
+    with torch.random.fork_rng(devices=[]), torch.device(device):
+        torch.manual_seed(seed)
+        tokenizer = build_word_tokenizer(texts)
+        text_encoder = UMT5EncoderModel(text_cfg).to(torch.bfloat16).eval()
+        vae = AutoencoderKLWan.from_config(vae_kw).eval()
+        transformer = WanTransformer3DModel.from_config(dit_kw).to(torch.bfloat16).eval()
+        # what from_pretrained(torch_dtype=bf16) does: the modules diffusers keeps in float32 stay so
+        keep = transformer._keep_in_fp32_modules or []
+        for name, sub in transformer.named_modules():
+            if any(k in name.split(".") for k in keep):
+                sub.float()
+    scheduler = UniPCMultistepScheduler(
+        prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=1000, flow_shift=spec.flow_shift
+    )
+    return WanPipeline(
+        tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler, transformer=transformer
+    )

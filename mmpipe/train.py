@@ -345,7 +345,7 @@ def auto_memory(
     from mmpipe.workloads import sample_inputs
 
     data = cfg.data
-    dtype = torch.bfloat16 if cfg.train.bf16 else torch.float32
+    dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
     shapes = sample_inputs(graph, cfg.model.text_len, data.frames, data.height, data.width)
     per_sample = measure_graph_costs(graph, shapes, dtype=dtype)[stage]
     rows = (cfg.train.batch_size // cfg.train.micro_batches) / group.dp / group.sp  # samples' worth per rank

@@ -38,7 +38,10 @@ def test_overrides_and_presets() -> None:
         ({"bogus": 1}, "unknown config key bogus"),
         ({"train": {"steps": "many"}}, "train.steps='many': expected int"),
         ({"train": {"steps": 2.5}}, "train.steps=2.5: expected int"),
-        ({"train": {"bf16": "yes"}}, "train.bf16='yes': expected bool"),
+        ({"train": {"progress": "yes"}}, "train.progress='yes': expected bool"),
+        ({"train": {"precision": "fp16"}}, "train.precision='fp16'"),
+        ({"device": "tpu"}, "device='tpu'"),
+        ({"launch": {"backend": "mpi"}}, "launch.backend='mpi'"),
         ({"model": {"text_encoder": "bert"}}, "model.text_encoder='bert': expected one of ['umt5', 'qwen2']"),
         ({"train": {"steps": 0}}, "train.steps must be positive, got 0"),
         (
