@@ -41,12 +41,13 @@ class VideoSize:
 
 @dataclasses.dataclass(kw_only=True)
 class KernelConfig:
-    """Which implementation each DiT hot path uses (``model.kernels.rope=triton``): ``torch`` (default),
-    ``triton`` (``mmpipe.kernels``; interpreted on CPU, for tests), ``auto`` (Triton on CUDA)."""
+    """Which implementation each DiT hot path uses (``model.kernels.rope=triton``): ``auto`` (default:
+    mmpipe's Triton kernels on CUDA, PyTorch's on CPU), ``torch``, ``triton`` (``mmpipe.kernels``;
+    interpreted on CPU, for tests)."""
 
-    attention: Literal["torch", "triton", "xformers", "auto"] = "torch"
-    norm_modulate: Literal["torch", "triton", "auto"] = "torch"
-    rope: Literal["torch", "triton", "auto"] = "torch"
+    attention: Literal["torch", "triton", "xformers", "auto"] = "auto"
+    norm_modulate: Literal["torch", "triton", "auto"] = "auto"
+    rope: Literal["torch", "triton", "auto"] = "auto"
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -30,6 +30,7 @@ from transformers import AutoTokenizer
 from mmpipe.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from mmpipe.config import DataConfig, ModelConfig, RunConfig, StageParallelConfig, from_dict, to_dict
 from mmpipe.data import FolderVideoDataset, MovingShapesDataset, caption_vocabulary
+from mmpipe.devices import Backend, DeviceType, Precision, rank_device, resolve_backend, resolve_device
 from mmpipe.errors import loading_errors
 from mmpipe.graph import Graph
 from mmpipe.kernels import registry as kernels
@@ -389,6 +390,7 @@ def make_plans(graph: Graph, cfg: RunConfig) -> tuple[Plan, Plan]:
     placement = parse_placement(cfg.placement) if cfg.placement else default_placement(graph, world)
     placement = apply_parallel(placement, cfg.parallel)
     check_stage_support(graph, placement, cfg)
+    check_shared_gpu_groups(run_devices(cfg, local_ranks=0), placement)
     kind = ScheduleKind(cfg.train.schedule)
     n_micro = cfg.train.micro_batches
     size = cfg.train.batch_size // n_micro
@@ -398,6 +400,52 @@ def make_plans(graph: Graph, cfg: RunConfig) -> tuple[Plan, Plan]:
         train_plan = build_plan(graph, placement, n_micro, world_size=world, schedule=kind, batch=size)
     val_plan = build_plan(graph, placement, n_micro, world_size=world, schedule=kind, train=False, batch=size)
     return train_plan, val_plan
+
+
+# ---- devices -------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class RunDevices:
+    """Where a run's ranks compute, how their tensors move, and in which precision."""
+
+    device: DeviceType
+    backend: Backend
+    precision: Precision
+
+    def rank_device(self) -> torch.device:
+        """This process's device: ``cuda:LOCAL_RANK`` (torchrun and the local launcher set it)."""
+        return rank_device(self.device, int(os.environ.get("LOCAL_RANK", "0")))
+
+    def wire(self) -> torch.device | None:
+        """Where edge payloads travel: the GPU under NCCL, the host under gloo (None: CPU ranks)."""
+        if self.device is DeviceType.CPU:
+            return None
+        return torch.device("cpu") if self.backend.staged else self.rank_device()
+
+
+def run_devices(cfg: RunConfig, *, local_ranks: int | None = None) -> RunDevices:
+    """``device``, ``launch.backend`` and ``train.precision`` resolved for this machine; a CUDA
+    request without a GPU, or more NCCL ranks than GPUs, is a ``ValueError`` naming the key."""
+    device = resolve_device(cfg.device)
+    nproc = cfg.launch.nproc if local_ranks is None else local_ranks
+    backend = resolve_backend(device, cfg.launch.backend, local_ranks=nproc)
+    precision = Precision.BF16 if device is DeviceType.CUDA else Precision.FP32
+    if cfg.train.precision != "auto":
+        precision = Precision(cfg.train.precision)
+    return RunDevices(device, backend, precision)
+
+
+def check_shared_gpu_groups(devices: RunDevices, placement: dict[str, DeviceGroup]) -> None:
+    """Ranks sharing GPUs (gloo on CUDA) exchange edge tensors through the host; the collectives of
+    FSDP2 and sequence parallelism on CUDA tensors need NCCL, one GPU per rank."""
+    if not devices.backend.staged:
+        return
+    for stage, group in placement.items():
+        if len(group.ranks) > 1:
+            raise PlanError(
+                f"placement.{stage}: {len(group.ranks)} ranks (dp={group.dp}, ulysses={group.ulysses}, "
+                f"ring={group.ring}) with device=cuda launch.backend=gloo: data and sequence parallelism on CUDA "
+                "need launch.backend=nccl (one GPU per rank); gloo on CUDA runs pipelined placements, one rank a stage"
+            )
 
 
 # ---- the loop ------------------------------------------------------------------------------------
@@ -441,9 +489,10 @@ def train(cfg: RunConfig) -> TrainResult:
         )
     if cfg.model.path is not None:  # refused before a run directory is written
         check_pipeline_dir(cfg.model.path, key="model.path")
+    run_devices(cfg)  # no GPU for device=cuda, or too few for NCCL: refused before anything is written
     check_placement(cfg)
     choice = kernel_choice(cfg)  # an unavailable kernel is an error before anything is written
-    if "triton" in dataclasses.astuple(choice):
+    if "triton" in dataclasses.astuple(choice) and run_devices(cfg).device is DeviceType.CPU:
         logger.warning("model.kernels: the Triton kernels run in Triton's CPU interpreter here (tests only: very slow)")
     run_dir, graph = prepare_run(cfg)
     if cfg.placement == "auto":
@@ -474,7 +523,8 @@ class _Loop:
         self.cfg, self.graph, self.rank = cfg, graph, rank
         self.run_dir = Path(cfg.run_dir)
         self.train_plan, self.val_plan = make_plans(graph, cfg)
-        self.mesh = MeshOwner(self.train_plan, rank, world_size)
+        devices = run_devices(cfg, local_ranks=0)  # checked against the GPUs before launch
+        self.mesh = MeshOwner(self.train_plan, rank, world_size, device_type=devices.device.value)
         self.micro_size = cfg.train.batch_size // cfg.train.micro_batches
         self.events = EventRecorder(self.run_dir, rank)
         self.executor = Executor(
@@ -484,6 +534,9 @@ class _Loop:
             batch_size=self.micro_size,
             events=self.events,
             spill_dir=self.run_dir / "spill",
+            device=devices.rank_device(),
+            precision=devices.precision,
+            wire=devices.wire(),
         )
         self.executor.optimizers = {s: self._optim(s) for s in self.executor.local if s in self.train_plan.trainable}
         for s in self.executor.optimizers:
@@ -540,7 +593,7 @@ class _Loop:
         ]
         spilled = float(self.executor.spill.stats.offloaded_bytes) if self.executor.spill is not None else 0.0
         vec = self.reduce(torch.tensor([spilled, *norms, *lrs], dtype=torch.float64), group)
-        loss = self.reduce(out["loss"].reshape(1), group)  # float32, summed exactly as a single rank would
+        loss = self.reduce(out["loss"].reshape(1).cpu(), group)  # float32, summed exactly as a single rank would
         record: dict[str, Any] = {"step": step + 1, "loss": loss.item()}
         if vec[0] > 0:  # activations offloaded so far (all ranks), by the file tier
             record["offloaded_bytes"] = int(vec[0])
@@ -566,13 +619,14 @@ class _Loop:
 
             with torch.no_grad():
                 out = self.executor.run(self.val_plan.actions[self.rank], mbs.__getitem__, options)
-            total += out["loss"]
+            total += out["loss"].cpu()
         return self.reduce(total.reshape(1))[0].item() / len(chunks)
 
 
 def kernel_choice(cfg: RunConfig) -> kernels.KernelChoice:
-    """``model.kernels`` resolved for this runtime's devices (CPU ranks; Triton runs interpreted)."""
-    return kernels.resolve(kernels.KernelChoice(**dataclasses.asdict(cfg.model.kernels)), "cpu")
+    """``model.kernels`` resolved for the run's device (``auto``: Triton on CUDA; on CPU Triton runs interpreted)."""
+    device = resolve_device(cfg.device)
+    return kernels.resolve(kernels.KernelChoice(**dataclasses.asdict(cfg.model.kernels)), device.value)
 
 
 def run_rank(cfg: RunConfig, graph: Graph, *, rank: int, world_size: int) -> TrainResult:
@@ -580,6 +634,9 @@ def run_rank(cfg: RunConfig, graph: Graph, *, rank: int, world_size: int) -> Tra
     tc = cfg.train
     if tc.threads:
         torch.set_num_threads(tc.threads)
+    device = run_devices(cfg, local_ranks=0).rank_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     kernels.configure(kernel_choice(cfg))
     loop = _Loop(cfg, graph, rank, world_size)
     run_dir, lead = loop.run_dir, loop.lead

@@ -26,8 +26,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd.profiler import record_function
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from mmpipe.devices import Precision, autocast
 from mmpipe.graph import INPUT, Edge, Graph
 from mmpipe.kernels import registry as kernels
 from mmpipe.memory.host import HostTier
@@ -36,7 +37,7 @@ from mmpipe.parallel.sequence import SequenceLayout
 from mmpipe.runtime.events import EventRecorder
 from mmpipe.runtime.mesh import MeshOwner
 from mmpipe.runtime.reshard import Region
-from mmpipe.runtime.transport import isend_tensors, nbytes, recv_tensors
+from mmpipe.runtime.transport import isend_message, nbytes, recv_tensors
 from mmpipe.sched.cost import repeated_blocks
 from mmpipe.sched.plan import Action, ActionKind, Plan, PlanError, check_split, overlapping_ranks, send_window
 
@@ -70,8 +71,15 @@ class Executor:
         events: EventRecorder | None = None,
         max_inflight_sends: int | None = None,
         spill_dir: Path | None = None,
+        device: torch.device | None = None,
+        precision: Precision = Precision.FP32,
+        wire: torch.device | None = None,
     ) -> None:
         self.graph, self.plan, self.mesh, self.rank = graph, plan, mesh, mesh.rank
+        # device: where this rank's modules and tensors live; wire: where edge payloads travel
+        # (None: as they are, CPU; the GPU under NCCL; the host when gloo moves CUDA tensors)
+        self.device = device if device is not None else torch.device("cpu")
+        self.precision, self.wire = precision, wire
         self.spill_dir = spill_dir  # where offloaded activations go on CPU (a file tier per rank)
         self.spill: Tier | None = None  # this rank's offload tier, made by the first stage that offloads
         self.groups = plan.groups
@@ -81,6 +89,8 @@ class Executor:
         # produces for others may run ahead into the next step by up to this many messages.
         self.max_inflight = max_inflight_sends or send_window(plan)
         self._inflight: collections.deque[tuple[list[dist.Work], list[torch.Tensor]]] = collections.deque()
+        if wire is not None and wire.type == "cuda":
+            check_pair_order(plan)
         if plan.batch and plan.batch != batch_size:
             raise PlanError(f"the plan was made for micro-batches of {plan.batch} samples, not {batch_size}")
         for stage, group in plan.placement:
@@ -101,6 +111,9 @@ class Executor:
         st = self.graph.stages[stage]
         module = st.module
         group = self.groups[stage]
+        module.to(self.device)
+        if st.frozen and self.precision is Precision.BF16:
+            module.to(torch.bfloat16)  # frozen weights in bf16 (no master copy to keep); trained: fp32 masters
         choice = kernels.chosen()
         if choice != kernels.KernelChoice() and hasattr(st, "use_kernels"):  # opt-in (model.kernels)
             st.use_kernels(module, choice)
@@ -115,8 +128,17 @@ class Executor:
             # seeds each rank's backward (group size) times its share so that the average is the sum.
             # gather_once: keep the gathered parameters from the step's first forward to its last
             # backward (set in _backward), trading their memory for one all-gather per step.
-            fully_shard(module, mesh=mesh, reshard_after_forward=not group.gather_once)
+            fully_shard(
+                module, mesh=mesh, reshard_after_forward=not group.gather_once, mp_policy=self._mixed_precision()
+            )
         return module
+
+    def _mixed_precision(self) -> MixedPrecisionPolicy:
+        """bf16 on CUDA: parameters gathered in bf16, gradients reduced in float32 into float32
+        masters (FSDP2's recipe); float32 otherwise (gloo's CPU collectives, and exact CPU parity)."""
+        if self.precision is Precision.BF16 and self.device.type == "cuda":
+            return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        return MixedPrecisionPolicy()
 
     def _apply_memory_policy(self, stage: str, module: nn.Module) -> None:
         """The group's recompute / offload fractions of the stage's repeated blocks (see
@@ -201,7 +223,7 @@ class Executor:
 
         ``flush=False`` returns with sends still in flight (bounded by ``max_inflight_sends``).
         """
-        state = _StepState()
+        state = _StepState(loss=torch.zeros((), device=self.device))
         for a in actions:  # the pass's last backward of each stage reduces its gradients
             if a.kind == ActionKind.B:
                 state.last_backward[a.stage] = _mb(a)
@@ -265,7 +287,7 @@ class Executor:
         shards: dict[str, Region] = {}
         for e in self.graph.producers(stage):
             if e.src == INPUT:
-                inputs[e.dst_port] = st.batch(mb, batch_fn)[e.src_port][lo:hi]
+                inputs[e.dst_port] = st.batch(mb, batch_fn)[e.src_port][lo:hi].to(self.device, non_blocking=True)
                 continue
             x, need = self._edge_value(e, mb, st)
             if need.dim is not None and self._dims(e)[1] is not None:
@@ -276,7 +298,7 @@ class Executor:
         spec = self.graph.stages[stage]
         if self.groups[stage].sp > 1:
             options["shards"] = shards
-        with torch.set_grad_enabled(wants_grad):
+        with torch.set_grad_enabled(wants_grad), autocast(self.device, self.precision):
             out = spec.forward(self.modules[stage], inputs, **options)
         if self.groups[stage].sp > 1 and spec.sequence_outputs:
             length = spec.sequence_length(inputs)
@@ -404,7 +426,7 @@ class Executor:
         # A forward message ends with the whole lengths along the split dims, which the receiver
         # needs to know its own part; the events count only the payload.
         message = tensors if grad else [*tensors, torch.tensor(lengths, dtype=torch.int64)]
-        self._inflight.append((isend_tensors(message, a.peer, self._tag(a.stage, a.dst, grad)), message))
+        self._inflight.append(isend_message(message, a.peer, self._tag(a.stage, a.dst, grad), wire=self.wire))
         if len(self._inflight) > self.max_inflight:  # bound how far a producer runs ahead
             # Completed sends leave the window wherever they are in it: a frozen stage's send that
             # ran ahead may stay unreceived until the step's last micro-batch while later ones finish.
@@ -428,7 +450,8 @@ class Executor:
     def _recv(self, a: Action, st: _StepState, *, grad: bool) -> int:
         assert a.dst is not None and a.peer is not None and a.mb is not None
         edges = self._edge_ports(a.stage, a.dst, grad=grad)
-        tensors = recv_tensors(a.peer, self._tag(a.stage, a.dst, grad), len(edges) + (not grad))
+        expected = len(edges) + (not grad)
+        tensors = recv_tensors(a.peer, self._tag(a.stage, a.dst, grad), expected, wire=self.wire, device=self.device)
         if grad:
             for e, g in zip(edges, tensors, strict=True):
                 self._accumulate(e, a.mb, a.peer, g, st)
@@ -443,6 +466,27 @@ class Executor:
 
     def _tag(self, src: str, dst: str, grad: bool) -> int:
         return 2 * self._tags[(src, dst)] + int(grad)
+
+
+def check_pair_order(plan: Plan) -> None:
+    """NCCL matches a pair of ranks' point-to-point messages in the order they were posted (it has
+    no tags): every rank must receive each peer's bundles in the order that peer sends them."""
+    sent: defaultdict[tuple[int, int], list[tuple[str, str | None, int | None, ActionKind]]] = defaultdict(list)
+    received: defaultdict[tuple[int, int], list[tuple[str, str | None, int | None, ActionKind]]] = defaultdict(list)
+    pairs = {ActionKind.SEND: ActionKind.RECV, ActionKind.SEND_GRAD: ActionKind.RECV_GRAD}
+    for rank, actions in enumerate(plan.actions):
+        for a in actions:
+            assert a.peer is not None or a.kind not in (*pairs, *pairs.values())
+            if a.kind in pairs:
+                sent[(rank, a.peer)].append((a.stage, a.dst, a.mb, pairs[a.kind]))  # type: ignore[index]
+            elif a.kind in pairs.values():
+                received[(a.peer, rank)].append((a.stage, a.dst, a.mb, a.kind))  # type: ignore[index]
+    for (src, dst), order in sent.items():
+        if received[(src, dst)] != order:
+            raise PlanError(
+                f"rank {dst} receives rank {src}'s messages in another order than they are sent, which NCCL "
+                f"cannot match (it has no tags): sent {order}, received {received[(src, dst)]}"
+            )
 
 
 def _mb(a: Action) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import os
 
 import torch
 import torch.distributed as dist
@@ -56,8 +57,18 @@ class MeshOwner:
         return SequenceMesh.from_device_mesh(self._sequence[stage], zigzag=zigzag)
 
 
-def init_distributed(timeout_s: float) -> tuple[int, int]:
-    """Initialise the default process group from torchrun / elastic env vars; ``(rank, world)``."""
+def init_distributed(timeout_s: float, backend: str = "gloo", device: torch.device | None = None) -> tuple[int, int]:
+    """Initialise the default process group from torchrun / elastic env vars; ``(rank, world)``.
+
+    ``backend`` is gloo, or ``cpu:gloo,cuda:nccl`` (CPU tensors, such as transport headers and
+    metrics, through gloo; CUDA tensors through NCCL), bound to this rank's GPU (``device``) so
+    NCCL communicators are created eagerly for it. ``timeout_s`` bounds NCCL operations too: with
+    async error handling on (torch's default, set here for older releases), a hung collective or
+    a dead peer aborts the communicator and the rank raises instead of hanging.
+    """
     if not dist.is_initialized():
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        if "nccl" in backend:
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+        device_id = device if device is not None and device.type == "cuda" else None
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), device_id=device_id)
     return dist.get_rank(), dist.get_world_size()

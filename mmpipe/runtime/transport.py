@@ -4,6 +4,13 @@ A message is a list of tensors. The sender first sends a fixed-size int64 header
 tensor: dtype code, ndim, dims), then each tensor; the receiver allocates from the header and
 checks it against what its plan expects. Messages of one edge bundle use one tag, so two edges
 between the same pair of ranks never interleave.
+
+The header is always a CPU tensor; the payload travels on the ``wire`` device: the rank's GPU
+under ``cpu:gloo,cuda:nccl`` (headers go through gloo, payloads device to device through NCCL),
+host memory under gloo (a CUDA tensor is copied to the host before it is sent and back to the
+rank's device after it arrives: how ranks that share one GPU exchange tensors). NCCL ignores tags
+and matches a pair's messages in the order they were posted, so under NCCL the executor checks
+that every pair of ranks sends and receives its bundles in the same order (:func:`check_pair_order`).
 """
 
 from __future__ import annotations
@@ -45,22 +52,45 @@ def parse_header(header: torch.Tensor) -> list[tuple[torch.dtype, tuple[int, ...
     return out
 
 
-def isend_tensors(
-    tensors: Sequence[torch.Tensor], dst: int, tag: int, group: dist.ProcessGroup | None = None
-) -> list[dist.Work]:
-    """Start sending ``tensors`` to global rank ``dst``; the caller keeps them alive until the works finish."""
+def isend_message(
+    tensors: Sequence[torch.Tensor],
+    dst: int,
+    tag: int,
+    group: dist.ProcessGroup | None = None,
+    *,
+    wire: torch.device | None = None,
+) -> tuple[list[dist.Work], list[torch.Tensor]]:
+    """Start sending ``tensors`` to global rank ``dst``, the payload on ``wire`` (default: where each
+    tensor is); returns the works and the tensors they read, which the caller keeps alive until the
+    works finish."""
     # Empty tensors travel in the header only (gloo cannot send zero bytes).
-    payload = [_header(tensors)] + [t.detach().contiguous() for t in tensors if t.numel()]
+    payload = [_header(tensors)] + [_on(t.detach(), wire).contiguous() for t in tensors if t.numel()]
     works = []
     for t in payload:
         work = dist.isend(t, dst=dst, group=group, tag=tag)
         assert work is not None
         works.append(work)
-    return works
+    return works, payload
 
 
-def recv_tensors(src: int, tag: int, expected: int, group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:
-    """Receive a message of ``expected`` tensors from global rank ``src`` (blocking, with the group's timeout)."""
+def isend_tensors(
+    tensors: Sequence[torch.Tensor], dst: int, tag: int, group: dist.ProcessGroup | None = None
+) -> list[dist.Work]:
+    """Start sending CPU ``tensors`` to global rank ``dst``; the caller keeps them alive until the works finish."""
+    return isend_message(tensors, dst, tag, group)[0]
+
+
+def recv_tensors(
+    src: int,
+    tag: int,
+    expected: int,
+    group: dist.ProcessGroup | None = None,
+    *,
+    wire: torch.device | None = None,
+    device: torch.device | None = None,
+) -> list[torch.Tensor]:
+    """Receive a message of ``expected`` tensors from global rank ``src`` (blocking, with the group's
+    timeout): the payload arrives on ``wire`` (default CPU) and is returned on ``device`` (default: ``wire``)."""
     header = torch.empty(HEADER_LEN, dtype=torch.int64)
     dist.recv(header, src=src, group=group, tag=tag)
     specs = parse_header(header)
@@ -68,11 +98,15 @@ def recv_tensors(src: int, tag: int, expected: int, group: dist.ProcessGroup | N
         raise RuntimeError(f"handshake from rank {src} (tag {tag}): {len(specs)} tensors, expected {expected}")
     out = []
     for dtype, shape in specs:
-        t = torch.empty(shape, dtype=dtype)
+        t = torch.empty(shape, dtype=dtype, device=wire)
         if t.numel():
             dist.recv(t, src=src, group=group, tag=tag)
-        out.append(t)
+        out.append(_on(t, device))
     return out
+
+
+def _on(t: torch.Tensor, device: torch.device | None) -> torch.Tensor:
+    return t if device is None else t.to(device)
 
 
 def nbytes(tensors: Sequence[torch.Tensor]) -> int:

@@ -25,11 +25,12 @@ def run(raw: dict[str, Any], env: dict[str, str] | None = None) -> None:
 
     if env is not None:
         adopt_environment(env, keep=elastic_owned)
-    from mmpipe.train import build_training_graph, pipeline_dir, run_rank
+    from mmpipe.train import build_training_graph, pipeline_dir, run_devices, run_rank
 
     cfg = from_dict(RunConfig, raw)
     assert cfg.run_dir is not None
-    rank, world = init_distributed(cfg.launch.timeout_s)
+    devices = run_devices(cfg, local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", cfg.launch.nproc)))
+    rank, world = init_distributed(cfg.launch.timeout_s, devices.backend.name, devices.rank_device())
     logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(asctime)s %(levelname)s %(message)s")
     if world != cfg.launch.nproc:
         raise ValueError(f"launched with world size {world} but launch.nproc={cfg.launch.nproc}")
@@ -65,7 +66,11 @@ def main(argv: list[str] | None = None) -> int:
         from mmpipe.train import prepare_run
 
         prepare_run(cfg)  # run directory, config and tiny pipeline, before the others read them
-    torch.distributed.init_process_group("gloo")
+    from mmpipe.runtime.mesh import init_distributed
+    from mmpipe.train import run_devices
+
+    devices = run_devices(cfg, local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    init_distributed(cfg.launch.timeout_s, devices.backend.name, devices.rank_device())
     torch.distributed.barrier()
     run(raw)
     return 0

@@ -94,7 +94,7 @@ def test_trains_on_a_folder_of_videos(tmp_path: Path) -> None:
 
 
 def test_bf16_autocast_trains(tmp_path: Path) -> None:
-    result = train(small_run(tmp_path / "run", steps=2, bf16=True))
+    result = train(small_run(tmp_path / "run", steps=2, precision="bf16"))
     losses = [r["loss"] for r in read_metrics(result.run_dir)[1:]]
     assert len(losses) == 2 and all(np.isfinite(losses))
     assert np.isfinite(result.last_val_loss)

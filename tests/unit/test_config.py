@@ -12,7 +12,7 @@ from mmpipe.config import DataConfig, GenerateConfig, ModelConfig, RunConfig, Tr
 
 def test_allowed_top_level_keys() -> None:
     # Every new top-level key is a cost: extend this list deliberately.
-    allowed = ["run_dir", "model", "data", "train", "launch", "placement", "parallel", "memory", "profile"]
+    allowed = ["run_dir", "device", "model", "data", "train", "launch", "placement", "parallel", "memory", "profile"]
     assert [f.name for f in dataclasses.fields(RunConfig)] == allowed
     assert sorted(compose_config("train", [])) == sorted(allowed)
     assert sorted(compose_config("generate", [])) == sorted(f.name for f in dataclasses.fields(GenerateConfig))
