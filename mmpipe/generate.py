@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import shutil
 from pathlib import Path
@@ -9,14 +10,15 @@ from pathlib import Path
 import torch
 
 from mmpipe.checkpoint import latest_checkpoint, load_latest_weights
-from mmpipe.config import GenerateConfig
+from mmpipe.config import GenerateConfig, RunConfig
+from mmpipe.devices import DeviceType, resolve_device
 from mmpipe.data import frames_to_uint8, write_gif, write_mp4
 from mmpipe.errors import loading_errors
 from mmpipe.kernels import registry as kernels
 from mmpipe.kernels.wan import use_kernels
 from mmpipe.pipelines import T2VGraph, check_pipeline_dir, from_diffusers
 from mmpipe.report.recording import record_generation
-from mmpipe.train import kernel_choice, load_run_config, pipeline_dir
+from mmpipe.train import load_run_config, pipeline_dir
 
 
 def check_trained_run(run_dir: Path, *, key: str = "ckpt") -> None:
@@ -29,15 +31,28 @@ def check_trained_run(run_dir: Path, *, key: str = "ckpt") -> None:
         raise ValueError(f"{key}={str(run_dir)!r}: the run has no checkpoint yet (train.ckpt_every saves them)")
 
 
-def load_trained_graph(run_dir: Path) -> T2VGraph:
-    """The run's inference graph with the DiT weights of its latest checkpoint."""
+def load_trained_graph(run_dir: Path, device: DeviceType = DeviceType.CPU) -> T2VGraph:
+    """The run's inference graph on ``device`` (bf16 text encoder and DiT on CUDA, as
+    :func:`~mmpipe.pipelines.place_graph` places them) with the DiT weights of its latest
+    checkpoint and the run's ``model.kernels`` resolved for ``device``."""
     cfg = load_run_config(run_dir)
+    choice = generation_kernels(cfg, device)  # an unavailable kernel is an error before any load
     with loading_errors(f"ckpt={str(run_dir)!r}"):
-        graph = from_diffusers(pipeline_dir(cfg.model, run_dir), max_sequence_length=cfg.model.text_len)
-        # The training graph's DiT stage is named "dit"; its weights become the denoiser's.
+        graph = from_diffusers(
+            pipeline_dir(cfg.model, run_dir), max_sequence_length=cfg.model.text_len, device=device.value
+        )
+        # The training graph's DiT stage is named "dit"; its weights become the denoiser's (DCP
+        # copies the saved float32 tensors into the placed ones, casting to their dtype).
         load_latest_weights(run_dir, {"dit": graph.denoise.module})
-    apply_kernels(graph, kernel_choice(cfg))  # the run's model.kernels
+    apply_kernels(graph, choice)
     return graph
+
+
+def generation_kernels(cfg: RunConfig, device: DeviceType) -> kernels.KernelChoice:
+    """The run's ``model.kernels`` resolved for the device that generates (``auto``: Triton on
+    CUDA), not for the one it trained on: a run trained on CPU generates with Triton on a GPU."""
+    choice = kernels.KernelChoice(**dataclasses.asdict(cfg.model.kernels))
+    return kernels.resolve(choice, device.value)
 
 
 def apply_kernels(graph: T2VGraph, choice: kernels.KernelChoice) -> None:
@@ -48,14 +63,15 @@ def apply_kernels(graph: T2VGraph, choice: kernels.KernelChoice) -> None:
 
 
 def generate(cfg: GenerateConfig) -> dict[str, Path]:
-    """Render ``cfg.prompt`` with the trained run ``cfg.ckpt``; returns the written files: the GIF,
+    """Render ``cfg.prompt`` with the trained run ``cfg.ckpt`` on ``cfg.device``; returns the written files: the GIF,
     the MP4 and the generation's own run directory (its events, memory samples and trace, which
     ``mmpipe report`` reads)."""
     assert cfg.ckpt is not None  # GenerateConfig.__post_init__ requires it
+    device = resolve_device(cfg.device)  # device=cuda without a GPU: refused before anything loads
     run_dir = Path(cfg.ckpt)
     check_trained_run(run_dir)
     data = load_run_config(run_dir).data
-    graph = load_trained_graph(run_dir)
+    graph = load_trained_graph(run_dir, device)
     out_dir = Path(cfg.out) if cfg.out else run_dir / "samples"
     stem = f"{_slug(cfg.prompt)}-seed{cfg.seed}"
     record_dir = out_dir / f"{stem}-run"

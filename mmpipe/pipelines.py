@@ -20,6 +20,7 @@ Legend: B batch, Z latent channels, t/h/w latent frames/height/width, T/H/W pixe
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,6 +32,7 @@ from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 from diffusers.video_processor import VideoProcessor
 from safetensors import SafetensorError, safe_open
 from torch import nn
+from transformers import PreTrainedModel
 
 from mmpipe.graph import Graph, TensorSpec
 from mmpipe.stages import (
@@ -146,7 +148,10 @@ class T2VGraph(Graph):
             height // self.scale_s,
             width // self.scale_s,
         )
-        inputs["noise"] = torch.randn(shape, generator=generator, dtype=torch.float32)
+        # Drawn on the CPU whatever the modules' device, as WanPipeline's randn_tensor does with a CPU
+        # generator (then moved): the same seed gives the same noise on CPU and CUDA, and Stage.__call__
+        # moves it to the denoiser's device.
+        inputs["noise"] = torch.randn(shape, generator=generator, dtype=torch.float32, device="cpu")
         options = {
             "denoise": {
                 "num_inference_steps": num_inference_steps,
@@ -159,13 +164,21 @@ class T2VGraph(Graph):
         return self.video_processor.postprocess_video(video, output_type=output_type)
 
 
-def from_diffusers(path_or_pipeline: str | Path | DiffusionPipeline, *, max_sequence_length: int = 512) -> T2VGraph:
+def from_diffusers(
+    path_or_pipeline: str | Path | DiffusionPipeline,
+    *,
+    max_sequence_length: int = 512,
+    device: str | torch.device | None = None,
+) -> T2VGraph:
     """Turn a diffusers ``WanPipeline`` (a local directory or an object) into an inference graph.
 
     The graph's stages wrap the pipeline's own modules (no copy); ``max_sequence_length`` is the
-    text length the pipeline pads prompts to (``WanPipeline.__call__``'s default is 512).
+    text length the pipeline pads prompts to (``WanPipeline.__call__``'s default is 512). With a
+    ``device``, a directory loads in that device's precision (:func:`component_dtypes`) and the
+    modules are placed there with :func:`place_graph`; without one they stay as loaded.
     """
-    pipe = _load_pipeline(path_or_pipeline)
+    dtypes = component_dtypes(device) if device is not None else {}
+    pipe = _load_pipeline(path_or_pipeline, dtypes)
     cfg = pipe.config
     if getattr(pipe, "transformer_2", None) is not None or cfg.get("boundary_ratio") is not None:
         raise ValueError("two-expert Wan 2.2 pipelines (transformer_2 / boundary_ratio) are not supported yet")
@@ -174,7 +187,59 @@ def from_diffusers(path_or_pipeline: str | Path | DiffusionPipeline, *, max_sequ
     text = build_text_stage("text", pipe.text_encoder, pipe.tokenizer, max_length=max_sequence_length)
     denoise = DenoiseStage.from_module("denoise", pipe.transformer, pipe.scheduler)
     decode = WanVAEDecodeStage.from_module("decode", pipe.vae)
-    return T2VGraph(text, denoise, decode)
+    graph = T2VGraph(text, denoise, decode)
+    return place_graph(graph, device) if device is not None else graph
+
+
+def component_dtypes(device: str | torch.device) -> dict[str, torch.dtype]:
+    """The dtype of each ``WanPipeline`` component on ``device``, as diffusers' Wan examples load
+    them (``torch_dtype``): on CUDA the text encoder and the DiT in bf16, the VAE in float32 (as the
+    Wan model cards load it); on CPU none, so modules stay as loaded (float32)."""
+    if torch.device(device).type == "cuda":
+        return {"text_encoder": torch.bfloat16, "transformer": torch.bfloat16, "vae": torch.float32}
+    return {}
+
+
+def place_graph(graph: T2VGraph, device: str | torch.device) -> T2VGraph:
+    """Move ``graph``'s modules to ``device`` in place, in the dtypes of :func:`component_dtypes`
+    (the modules a diffusers ``from_pretrained(torch_dtype=...)`` would give, fp32-kept ones
+    included); on CPU dtypes are left alone, so CPU outputs stay bitwise what they were."""
+    dtypes = component_dtypes(device)
+    stages = {"text_encoder": graph.text, "transformer": graph.denoise, "vae": graph.decode}
+    for component, stage in stages.items():
+        place_module(stage.module, device, dtypes.get(component))
+    return graph
+
+
+def place_module(module: nn.Module, device: str | torch.device, dtype: torch.dtype | None = None) -> nn.Module:
+    """Move ``module`` to ``device`` in place and cast its floating tensors to ``dtype`` (``None``:
+    keep), except those the library keeps in float32 when loading in ``dtype`` (diffusers'
+    ``_keep_in_fp32_modules``: the Wan DiT's norms, time embedder, modulation tables and rotary)."""
+    keep = _kept_in_fp32(module, dtype) if dtype is not None else set()
+    tensors = itertools.chain(module.named_parameters(), module.named_buffers())
+    with torch.no_grad():
+        for name, t in tensors:
+            to = t.dtype
+            if dtype is not None and t.is_floating_point():
+                # matched on name parts, as diffusers' loader does ("blocks.0.norm2.weight")
+                to = torch.float32 if keep.intersection(name.split(".")) else dtype
+            # .data, as nn.Module.to does it: parameters stay the same objects (optimizers, hooks)
+            t.data = t.data.to(device=device, dtype=to)
+    return module
+
+
+def _kept_in_fp32(module: nn.Module, dtype: torch.dtype) -> set[str]:
+    """The module names ``from_pretrained(torch_dtype=dtype)`` keeps in float32: diffusers always
+    keeps ``_keep_in_fp32_modules``; transformers keeps ``_keep_in_fp32_modules_strict`` for any
+    half dtype and ``_keep_in_fp32_modules`` for float16 only (T5's ``wo`` is bf16 in bf16)."""
+    if dtype == torch.float32:
+        return set()
+    if isinstance(module, PreTrainedModel):
+        names = set(getattr(module, "_keep_in_fp32_modules_strict", None) or ())
+        if dtype == torch.float16:
+            names |= set(getattr(module, "_keep_in_fp32_modules", None) or ())
+        return names
+    return set(getattr(module, "_keep_in_fp32_modules", None) or ())
 
 
 WAN_COMPONENTS = ("text_encoder", "tokenizer", "transformer", "vae", "scheduler")  # what from_diffusers reads
@@ -230,10 +295,15 @@ def check_pipeline_dir(path: str | Path, *, key: str = "pipeline") -> Path:
     return root
 
 
-def _load_pipeline(path_or_pipeline: str | Path | DiffusionPipeline) -> Any:
-    """A ``WanPipeline`` object (typed ``Any``: diffusers registers components dynamically)."""
+def _load_pipeline(path_or_pipeline: str | Path | DiffusionPipeline, dtypes: dict[str, torch.dtype]) -> Any:
+    """A ``WanPipeline`` object (typed ``Any``: diffusers registers components dynamically); a
+    directory loads its components in ``dtypes`` (none given: as saved, the CPU path)."""
     if isinstance(path_or_pipeline, DiffusionPipeline):
         pipe = path_or_pipeline
+    elif dtypes:  # loaded in half precision directly: no float32 copy of a large text encoder
+        pipe = DiffusionPipeline.from_pretrained(
+            check_pipeline_dir(path_or_pipeline), dtype={**dtypes, "default": torch.float32}
+        )
     else:
         pipe = DiffusionPipeline.from_pretrained(check_pipeline_dir(path_or_pipeline))
     name = type(pipe).__name__

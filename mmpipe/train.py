@@ -346,7 +346,7 @@ def auto_memory(
     from mmpipe.workloads import sample_inputs
 
     data = cfg.data
-    dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
+    dtype = run_devices(cfg, local_ranks=0).precision.dtype
     shapes = sample_inputs(graph, cfg.model.text_len, data.frames, data.height, data.width)
     per_sample = measure_graph_costs(graph, shapes, dtype=dtype)[stage]
     rows = (cfg.train.batch_size // cfg.train.micro_batches) / group.dp / group.sp  # samples' worth per rank
@@ -390,7 +390,7 @@ def make_plans(graph: Graph, cfg: RunConfig) -> tuple[Plan, Plan]:
     placement = parse_placement(cfg.placement) if cfg.placement else default_placement(graph, world)
     placement = apply_parallel(placement, cfg.parallel)
     check_stage_support(graph, placement, cfg)
-    check_shared_gpu_groups(run_devices(cfg, local_ranks=0), placement)
+    check_shared_gpu_groups(cfg, placement)
     kind = ScheduleKind(cfg.train.schedule)
     n_micro = cfg.train.micro_batches
     size = cfg.train.batch_size // n_micro
@@ -434,10 +434,12 @@ def run_devices(cfg: RunConfig, *, local_ranks: int | None = None) -> RunDevices
     return RunDevices(device, backend, precision)
 
 
-def check_shared_gpu_groups(devices: RunDevices, placement: dict[str, DeviceGroup]) -> None:
+def check_shared_gpu_groups(cfg: RunConfig, placement: dict[str, DeviceGroup]) -> None:
     """Ranks sharing GPUs (gloo on CUDA) exchange edge tensors through the host; the collectives of
-    FSDP2 and sequence parallelism on CUDA tensors need NCCL, one GPU per rank."""
-    if not devices.backend.staged:
+    FSDP2 and sequence parallelism on CUDA tensors need NCCL, one GPU per rank. (Decided from the
+    config alone, so that a GPU run's plan can be rebuilt on a machine without one.)"""
+    cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    if not (cuda and cfg.launch.backend == "gloo"):
         return
     for stage, group in placement.items():
         if len(group.ranks) > 1:
@@ -515,8 +517,8 @@ def train(cfg: RunConfig) -> TrainResult:
     return TrainResult(run_dir=run_dir, steps=cfg.train.steps, first_val_loss=first, last_val_loss=vals[-1])
 
 
-class _Loop:
-    """One rank's training loop state: executor, optimizers, data, logging."""
+class TrainLoop:
+    """One rank's training loop state: executor, optimizers, data, logging (:func:`start_rank` makes it)."""
 
     def __init__(self, cfg: RunConfig, graph: Graph, rank: int, world_size: int) -> None:
         assert cfg.run_dir is not None
@@ -629,16 +631,22 @@ def kernel_choice(cfg: RunConfig) -> kernels.KernelChoice:
     return kernels.resolve(kernels.KernelChoice(**dataclasses.asdict(cfg.model.kernels)), device.value)
 
 
-def run_rank(cfg: RunConfig, graph: Graph, *, rank: int, world_size: int) -> TrainResult:
-    """The training loop of one rank (all ranks run it; rank 0 logs and shows progress)."""
-    tc = cfg.train
-    if tc.threads:
-        torch.set_num_threads(tc.threads)
+def start_rank(cfg: RunConfig, graph: Graph, *, rank: int, world_size: int) -> TrainLoop:
+    """This process's threads, GPU and kernels set for the run, and its rank's loop built (its
+    stages on its device, the optimizers of its trainable stages); ``run_rank`` drives it."""
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
     device = run_devices(cfg, local_ranks=0).rank_device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
     kernels.configure(kernel_choice(cfg))
-    loop = _Loop(cfg, graph, rank, world_size)
+    return TrainLoop(cfg, graph, rank, world_size)
+
+
+def run_rank(cfg: RunConfig, graph: Graph, *, rank: int, world_size: int) -> TrainResult:
+    """The training loop of one rank (all ranks run it; rank 0 logs and shows progress)."""
+    tc = cfg.train
+    loop = start_rank(cfg, graph, rank=rank, world_size=world_size)
     run_dir, lead = loop.run_dir, loop.lead
     start = 0
     ckpt = latest_checkpoint(run_dir)

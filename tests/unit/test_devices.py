@@ -68,10 +68,12 @@ def test_precision_is_bf16_on_cuda_and_fp32_on_cpu_unless_set(monkeypatch: pytes
 
 def test_shared_gpu_ranks_refuse_data_and_sequence_parallel_groups(monkeypatch: pytest.MonkeyPatch) -> None:
     fake_gpus(monkeypatch, 1)
-    staged = run_devices(RunConfig(launch=LaunchConfig(nproc=2, backend="gloo")))
+    staged = RunConfig(launch=LaunchConfig(nproc=2, backend="gloo"))
+    fsdp = {"text": DeviceGroup((0,)), "dit": DeviceGroup((0, 1), 2)}
     check_shared_gpu_groups(staged, {"text": DeviceGroup((0,)), "dit": DeviceGroup((1,))})  # pipelined: fine
     with pytest.raises(PlanError, match=r"placement.dit: 2 ranks .* need launch.backend=nccl"):
-        check_shared_gpu_groups(staged, {"text": DeviceGroup((0,)), "dit": DeviceGroup((0, 1), 2)})
+        check_shared_gpu_groups(staged, fsdp)
+    check_shared_gpu_groups(RunConfig(device="cpu", launch=LaunchConfig(nproc=2, backend="gloo")), fsdp)
 
 
 def _plan(rank0: str, rank1: str) -> Plan:
