@@ -1,31 +1,32 @@
 #!/usr/bin/env bash
-# The GPU checks of the memory and kernel issues, as one run on a lent GPU machine (the `device`
-# tool's `run`): the CUDA tests (pinned host tier, xFormers backend), then the GPU benchmarks,
-# each printing its JSON last line; logs and JSON go to $OUT (or ./gpu-out). Needs, beside the
-# machine's own torch and triton, the project's pure-Python dependencies and xFormers as wheels in
-# .whl/ (the device machine reaches no registry), and in .whl/cu12/ the CUDA 12 runtime that xFormers'
-# wheel links (its _C.so needs libcudart.so.12; the machine's torch is a CUDA 13 build):
+# The GPU checks, as one run on a lent GPU machine (the `device` tool's `run`): the CUDA tests, then
+# the GPU benchmarks, each printing its JSON last line; logs and JSON go to $OUT (or ./gpu-out).
+# Needs, beside the machine's own torch, triton and transformers, the project's other pure-Python
+# dependencies as wheels in .whl/ (the device machine reaches no registry):
 #
 #   echo /.whl/ >> .git/info/exclude
 #   P="--no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64"
 #   P="$P --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64"
 #   python3 -m pip download $P -d .whl diffusers==0.42.1 hydra-core==1.3.8 omegaconf==2.3.1 av==18.1.0 ftfy==6.3.1 \
-#       wcwidth xformers==0.0.35
+#       wcwidth==0.9.4 fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 \
+#       typing-inspection==0.4.5 annotated-doc==0.0.7 uvicorn==0.55.0 python-multipart==0.0.34 openai==3.60.0 \
+#       jiter==0.19.0 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5
 #   python3 -m pip wheel --no-deps -w .whl antlr4-python3-runtime==4.9.3   # omegaconf's; PyPI has no wheel of it
-#   python3 -m pip download $P -d .whl/cu12 nvidia-cuda-runtime-cu12==12.8.90
 #
-# (46 MB; constraints.txt's versions (a test holds them equal), checked to download; ftfy, which diffusers' Wan pipeline
-# imports where installed, needs wcwidth) and then
-# `run(command="bash benchmarks/gpu_checks.sh", carry=[".whl"], timeout_s=520)`; arguments pick steps
-# (`bash benchmarks/gpu_checks.sh memory`: the installs, the preflight and that step alone; the default
-# is all of tests, kernels and memory). The steps together are
-# bounded by 450 s, so that with the machine's start the run fits a 15-minute lease; the kernel benchmark
-# runs before the memory benchmark, which gets what the others left; on its limit the kernel benchmark prints what it measured (SIGTERM) before it is killed.
+# (48 MB; constraints.txt's versions, a test holds them equal) and, for the xformers step of the
+# kernel tests only, xformers==0.0.35 in .whl/ and nvidia-cuda-runtime-cu12==12.8.90 in .whl/cu12/.
+# Then `run(command="bash benchmarks/gpu_checks.sh", carry=[".whl"], timeout_s=560)`. Arguments pick
+# steps; the default is `tests pipeline probe train generate serve` (issue 29, ~8.5 minutes on an
+# H200); `kernels` and `memory` are the kernel and memory benchmarks of issues 6 and 7. Each step has
+# its own time limit, and a benchmark killed at its limit prints the JSON of what it measured. What
+# comes back: $OUT/log.txt (every step's output) and $OUT/results.jsonl (each benchmark's JSON line).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-STEPS=" ${*:-tests kernels memory} "
+STEPS=" ${*:-tests pipeline probe train generate serve} "
 for step in $STEPS; do
-    case $step in tests | kernels | memory) ;; *) echo "gpu_checks.sh: unknown step '$step' (tests, kernels, memory)"; exit 2 ;; esac
+    case $step in tests | pipeline | probe | train | generate | serve | kernels | memory) ;;
+    *) echo "gpu_checks.sh: unknown step '$step' (tests, pipeline, probe, train, generate, serve, kernels, memory)"; exit 2 ;;
+    esac
 done
 OUT="${OUT:-gpu-out}"
 mkdir -p "$OUT"
@@ -41,15 +42,30 @@ fi
 # from source; `python3 -P` keeps the checkout's ./mmpipe (which lacks them) off sys.path
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target "$SITE" . || exit 1
 export PYTHONPATH="$SITE" PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+} 2>&1 | tee -a "$OUT/log.txt"
 
 status=0
-END=$((SECONDS + 450))
+END=$((SECONDS + 500))
 # Preflight: a module missing from the carried wheels costs seconds here, not a step
-timeout 60 python3 -P -c "import mmpipe.presets, mmpipe.stages.dit, mmpipe.memory.host, mmpipe.kernels.attention, xformers.ops" \
-    2>&1 | tee "$OUT/preflight.log" || status=1
-[[ $STEPS == *" tests "* ]] && { TRITON_INTERPRET=0 timeout 90 python3 -P -m pytest -q -p no:cacheprovider tests/unit/test_memory_host_tier.py tests/unit/test_attention_cuda.py \
-    tests/unit/test_attention_xformers.py tests/unit/test_kernels_cuda.py 2>&1 | tee "$OUT/tests.log" || status=1; }
+timeout 60 python3 -P -c "import mmpipe.presets, mmpipe.train, mmpipe.generate, mmpipe.serve.engine, mmpipe.serve.server, openai" \
+    2>&1 | tee -a "$OUT/log.txt" || status=1
+[[ $STEPS == *" tests "* ]] && { TRITON_INTERPRET=0 timeout 100 python3 -P -m pytest -q -p no:cacheprovider tests/unit/test_train_cuda.py \
+    tests/unit/test_generate_cuda.py tests/serve/test_engine_cuda.py tests/unit/test_memory_host_tier.py 2>&1 | tee -a "$OUT/log.txt" || status=1; }
+bench() {  # bench NAME LIMIT_S ARGS...: one benchmark, its log and its JSON last line
+    local name=$1 limit=$2; shift 2
+    echo "== $name (limit ${limit}s)" | tee -a "$OUT/log.txt"
+    TRITON_INTERPRET=0 timeout -k 10 "$limit" python3 -P "benchmarks/$name.py" "$@" 2>&1 | tee /tmp/mmpipe-bench.log \
+        | tee -a "$OUT/log.txt" || status=1
+    tail -n 1 /tmp/mmpipe-bench.log >>"$OUT/results.jsonl"
+}
+[[ $STEPS == *" pipeline "* ]] && bench gpu_pipeline_check 90
+[[ $STEPS == *" probe "* ]] && bench gpu_gloo_probe 40
+[[ $STEPS == *" train "* ]] && bench gpu_train 130
+[[ $STEPS == *" generate "* ]] && bench gpu_generate 130
+LEFT=$((END - SECONDS))
+[[ $STEPS == *" serve "* ]] && bench gpu_serve $((LEFT > 100 ? LEFT : 100))
 # the kernel benchmark took 115 s on an H200 (2026-12-04); on its limit it prints what it measured (SIGTERM)
 [[ $STEPS == *" kernels "* ]] && { TRITON_INTERPRET=0 timeout -k 10 170 python3 -P benchmarks/kernels.py 2>&1 | tee "$OUT/kernels.log" || status=1
     tail -n 1 "$OUT/kernels.log" >"$OUT/kernels.json"; }

@@ -39,7 +39,8 @@ def train(run_dir: Path, device: str, steps: int, extra: list[str]) -> tuple[lis
            f"train.steps={steps}", "train.log_every=1", f"train.val_every={steps}", f"train.ckpt_every={steps}",
            "train.progress=false", *SMALL, *extra]  # fmt: skip
     t0 = time.perf_counter()
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ))
+    # cwd: not the checkout, whose ./mmpipe lacks the folders the installed package maps into it
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ), cwd=run_dir.parent)
     if res.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({res.returncode}):\n{res.stderr[-4000:]}")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]

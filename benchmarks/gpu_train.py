@@ -214,7 +214,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.tiny:
         args.frames, args.height, args.width = min(args.frames, 9), min(args.height, 64), min(args.width, 64)
     if (args.frames - 1) % 4 or args.height % 16 or args.width % 16:
-        p.error(f"--frames must be 4k+1 and --height/--width multiples of 16, got {args.frames}x{args.height}x{args.width}")
+        p.error(
+            f"--frames must be 4k+1 and --height/--width multiples of 16, got {args.frames}x{args.height}x{args.width}"
+        )
     if args.warmup < 1 or args.steps < 1:
         p.error("--warmup and --steps must be >= 1")
     return args
@@ -264,8 +266,12 @@ def main(argv: list[str] | None = None) -> int:
     RESULT.update(
         samples_per_s_mmpipe=[1 / t for t in mine],
         peak_gib_mmpipe=peak_gib(device),
-        mmpipe_settings={"precision": "bf16" if device.type == "cuda" else "fp32", "kernels": "auto", "dit_memory": policy,
-                         "memory_budget_gb": budget},
+        mmpipe_settings={
+            "precision": "bf16" if device.type == "cuda" else "fp32",
+            "kernels": "auto",
+            "dit_memory": policy,
+            "memory_budget_gb": budget,
+        },
         ratio=statistics.median(ratios),
         ratio_range=[min(ratios), max(ratios)],
         dit_model_flops_per_step=flops,
