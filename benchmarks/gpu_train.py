@@ -12,8 +12,9 @@ moving-shapes clip and its caption, micro-batch 1, Wan's flow-matching loss with
 * **mmpipe**: the training loop ``mmpipe train device=cuda`` runs (:func:`mmpipe.train.start_rank`,
   the executor interpreting the one-rank plan) with its defaults on CUDA: bf16 precision,
   ``model.kernels=auto`` (mmpipe's Triton attention, fused norm + modulate and RoPE kernels), and
-  the memory planner's activation policy (``memory.dit.policy=auto``) for a budget of the device's
-  memory less what the frozen stages hold and a fixed reserve (``--reserve-gb``).
+  the memory planner's activation policy (``memory.dit.policy=auto``: which blocks keep their
+  activations and which recompute them, for the GPU's memory less a reserve and the frozen stages'
+  weights; ``--budget-gb`` sets the budget instead). A contender that runs out of memory exits 3.
 
 Each side runs ``--warmup`` steps (Triton autotuning, allocator warm-up), then ``--steps`` timed
 steps (``torch.cuda.synchronize`` around each). ``ratio`` is the median over steps of mmpipe's
@@ -157,21 +158,10 @@ def mmpipe_config(spec: ModelConfig, args: argparse.Namespace, run_dir: Path, bu
         "train.warmup_steps=0",
         "train.progress=false",
     ]
-    if budget_gb is not None:
-        overrides += ["memory.dit.policy=auto", f"memory.dit.budget_gb={budget_gb:.1f}"]
+    if not args.no_policy:
+        overrides += ["memory.dit.policy=auto"] + ([f"memory.dit.budget_gb={budget_gb}"] if budget_gb else [])
     cfg = from_dict(RunConfig, compose_config("train", overrides))
     return dataclasses.replace(cfg, model=spec)
-
-
-def memory_budget_gb(pipe: Any, args: argparse.Namespace) -> float | None:
-    """What the DiT's rank may hold: the device's memory less the frozen modules and a reserve."""
-    if args.device != "cuda":
-        return args.budget_gb
-    if args.budget_gb is not None:
-        return args.budget_gb
-    total = torch.cuda.get_device_properties(0).total_memory
-    frozen = sum(p.numel() * 2 for m in (pipe.text_encoder, pipe.vae) for p in m.parameters())  # bf16 weights
-    return (total - frozen) / 2**30 - args.reserve_gb
 
 
 def run_mmpipe(graph: Graph, cfg: RunConfig, args: argparse.Namespace) -> tuple[list[float], dict[str, Any]]:
@@ -207,8 +197,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--width", type=int, default=832)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--budget-gb", type=float, default=None, help="mmpipe's DiT memory budget (default: derived)")
-    p.add_argument("--reserve-gb", type=float, default=30.0, help="kept free for workspaces and fragmentation")
+    p.add_argument("--budget-gb", type=float, default=None, help="mmpipe's DiT memory budget (default: the GPU's)")
     p.add_argument("--no-policy", action="store_true", help="mmpipe keeps every activation (no memory policy)")
     args = p.parse_args(argv)
     if args.tiny:
@@ -217,6 +206,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(
             f"--frames must be 4k+1 and --height/--width multiples of 16, got {args.frames}x{args.height}x{args.width}"
         )
+    if args.device == "cpu" and not args.no_policy and args.budget_gb is None:
+        args.budget_gb = 1.0  # CPU ranks have no device memory to budget against
     if args.warmup < 1 or args.steps < 1:
         p.error("--warmup and --steps must be >= 1")
     return args
@@ -247,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         "transformer.enable_gradient_checkpointing(), frozen text encoder and VAE in bf16)",
     )
     with tempfile.TemporaryDirectory(prefix="mmpipe-gpu-train-") as tmp:
-        budget = None if args.no_policy else memory_budget_gb(pipe, args)
+        budget = args.budget_gb
         cfg = mmpipe_config(spec, args, Path(tmp) / "run", budget)
         pipe.tokenizer.save_pretrained(Path(tmp) / "run" / "pipeline" / "tokenizer")  # what the collator reads
         collate = Collator(graph, Path(tmp) / "run" / "pipeline", spec.text_len)
@@ -259,7 +250,12 @@ def main(argv: list[str] | None = None) -> int:
         with contextlib.suppress(RuntimeError):
             torch.cuda.empty_cache()
         reset_peak(device)
-        mine, policy = run_mmpipe(graph, cfg, args)
+        try:
+            mine, policy = run_mmpipe(graph, cfg, args)
+        except torch.OutOfMemoryError as err:
+            RESULT.update(mmpipe_error=f"out of memory: {str(err).splitlines()[0]}", memory_budget_gb=budget)
+            print(json.dumps(RESULT), flush=True)
+            return 3
     ratios = [b / m for b, m in zip(base, mine, strict=True)]  # samples/s ratio = time ratio inverted
     flops = dit_model_flops(graph, spec, args)
     mfu = [flops / t / H200_BF16_PEAK for t in mine]

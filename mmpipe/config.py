@@ -172,7 +172,8 @@ class StageMemoryConfig:
     ``keep`` everything, ``recompute``, ``selective`` (recompute all but the matmul and attention
     outputs) or ``offload`` (to a spill directory) every block, or ``auto``: the cheapest mix whose
     saved activations, with the micro-batches 1F1B keeps in flight, fit ``budget_gb`` per rank.
-    ``blocks``: instead of a policy, one per block, in order (``[offload, offload, recompute, keep]``)."""
+    ``blocks``: instead of a policy, one per block, in order (``[offload, offload, recompute, keep]``).
+    On CUDA ranks ``budget_gb`` may be left out: ``auto`` then budgets against the GPU's memory."""
 
     policy: Literal["keep", "recompute", "selective", "offload", "auto"] = "keep"
     budget_gb: float | None = None
@@ -185,7 +186,7 @@ class StageMemoryConfig:
             )
         if self.blocks is not None and not self.blocks:
             raise ValueError("memory.<stage>.blocks is empty; give one policy per repeated block")
-        if self.policy == "auto" and (self.budget_gb is None or self.budget_gb <= 0):
+        if self.policy == "auto" and self.budget_gb is not None and self.budget_gb <= 0:
             raise ValueError(f"memory.<stage>.policy=auto needs a positive budget_gb, got {self.budget_gb}")
         if self.policy != "auto" and self.budget_gb is not None:
             raise ValueError(f"memory.<stage>.budget_gb={self.budget_gb} is only used with policy=auto")

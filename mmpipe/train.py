@@ -318,8 +318,8 @@ def apply_memory(graph: Graph, placement: dict[str, DeviceGroup], plan: Plan, cf
             case "offload":
                 recompute, offload = 0.0, 1.0
             case "auto":
-                assert m.budget_gb is not None
-                recompute, offload = auto_memory(graph, stage, group, plan, cfg, m.budget_gb)
+                budget = m.budget_gb if m.budget_gb is not None else device_budget_gb(graph, stage, placement, cfg)
+                recompute, offload = auto_memory(graph, stage, group, plan, cfg, budget)
         out[stage] = dataclasses.replace(group, recompute=recompute, offload=offload)
     return out
 
@@ -334,6 +334,28 @@ def count_blocks(graph: Graph, stage: str) -> int:
     return len(blocks)
 
 
+DEVICE_RESERVE = 0.15  # of a GPU's memory, kept for workspaces, the allocator's fragmentation, CUDA context
+
+
+def device_budget_gb(graph: Graph, stage: str, placement: dict[str, DeviceGroup], cfg: RunConfig) -> float:
+    """``memory.<stage>.policy=auto`` without ``budget_gb``: the GPU's memory less a reserve and the
+    weights of the stages that share the stage's first rank (bf16 frozen, 16 bytes a trained parameter)."""
+    devices = run_devices(cfg, local_ranks=0)
+    if devices.device is not DeviceType.CUDA:
+        raise PlanError(f"memory.{stage}.policy=auto: give memory.{stage}.budget_gb on CPU ranks (GiB per rank)")
+    from mmpipe.sched.cost import build_meta_module
+
+    rank = placement[stage].ranks[0]
+    others = 0
+    for name, group in placement.items():
+        if name == stage or rank not in group.ranks:
+            continue
+        params = sum(p.numel() for p in build_meta_module(graph.stages[name], torch.float32).parameters())
+        others += params * (2 if graph.stages[name].frozen else 16) // len(group.ranks)
+    total = torch.cuda.get_device_properties(devices.rank_device()).total_memory
+    return (total * (1 - DEVICE_RESERVE) - others) / 2**30
+
+
 def auto_memory(
     graph: Graph, stage: str, group: DeviceGroup, plan: Plan, cfg: RunConfig, budget_gb: float
 ) -> tuple[float, float]:
@@ -346,16 +368,18 @@ def auto_memory(
     from mmpipe.workloads import sample_inputs
 
     data = cfg.data
-    dtype = run_devices(cfg, local_ranks=0).precision.dtype
+    devices = run_devices(cfg, local_ranks=0)
     shapes = sample_inputs(graph, cfg.model.text_len, data.frames, data.height, data.width)
-    per_sample = measure_graph_costs(graph, shapes, dtype=dtype)[stage]
+    per_sample = measure_graph_costs(graph, shapes, dtype=devices.precision.dtype)[stage]
     rows = (cfg.train.batch_size // cfg.train.micro_batches) / group.dp / group.sp  # samples' worth per rank
-    cluster = Cluster.local(cfg.launch.nproc)
+    cuda = devices.device is DeviceType.CUDA
+    cluster = Cluster.local_cuda(cfg.launch.nproc) if cuda else Cluster.local(cfg.launch.nproc)
     pricing = BlockPricing.from_cost(
         per_sample,
         rows=rows,
         flops_per_s=cluster.peak_flops * cluster.efficiency,
-        offload_bytes_per_s=FILE_TIER_BYTES_PER_S,  # the file tier: its reads block the backward
+        # CPU: the file tier, whose reads block the backward; CUDA: pinned host memory over PCIe
+        offload_bytes_per_s=cluster.host_bandwidth if cuda else FILE_TIER_BYTES_PER_S,
     )
     fixed = 16 * per_sample.params // len(group.ranks) if stage in plan.trainable else 0
     try:
@@ -528,7 +552,7 @@ class TrainLoop:
         devices = run_devices(cfg, local_ranks=0)  # checked against the GPUs before launch
         self.mesh = MeshOwner(self.train_plan, rank, world_size, device_type=devices.device.value)
         self.micro_size = cfg.train.batch_size // cfg.train.micro_batches
-        self.events = EventRecorder(self.run_dir, rank)
+        self.events = EventRecorder(self.run_dir, rank, devices.rank_device())
         self.executor = Executor(
             graph,
             self.train_plan,

@@ -126,6 +126,28 @@ class Cluster:
             raise ValueError(f"cluster {name!r}: bad or missing field {e}") from e
 
     @classmethod
+    def local_cuda(cls, nproc: int | None = None) -> Cluster:
+        """This machine's GPUs (``nproc`` ranks, default one per GPU), as the CUDA runtime reports
+        them: memory from the device, the dense bf16 peak from its architecture (:func:`cuda_peak_flops`),
+        activation offload to pinned host memory over PCIe, overlapped with compute (side streams)."""
+        import torch
+
+        props = torch.cuda.get_device_properties(0)
+        n = nproc or torch.cuda.device_count()
+        return cls(
+            name="local-cuda",
+            device=props.name,
+            world_size=n,
+            peak_flops=cuda_peak_flops(props.major, props.minor),
+            memory_bytes=props.total_memory,
+            levels=(Level(name="node", size=n, bandwidth=150e9),),
+            network_bandwidth=25e9,
+            host_bandwidth=25e9,  # pinned copies over PCIe 5 x16, half its peak
+            host_memory_bytes=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / n,
+            offload_overlap=True,
+        )
+
+    @classmethod
     def local(cls, nproc: int | None = None, *, peak_flops: float = 1e11) -> Cluster:
         """This machine's CPU ranks: ``nproc`` (default: its cores), one shared-memory level; the peak
         is nominal (a core's fp32 FMA rate); ``mmpipe profile`` measures the achieved fraction."""
@@ -150,3 +172,13 @@ class Cluster:
             overlap_collectives=False,  # gloo collectives block the rank
             efficiency=1.0,
         )
+
+
+# Dense bf16 tensor-core peaks by compute capability (the vendors' data sheets, SXM parts, no sparsity).
+_BF16_PEAKS = {(9, 0): 989e12, (10, 0): 2250e12, (8, 0): 312e12, (8, 9): 181e12, (8, 6): 71e12}
+
+
+def cuda_peak_flops(major: int, minor: int) -> float:
+    """The dense bf16 peak of a GPU of compute capability ``major.minor`` (H100 / H200: 989 TFLOP/s);
+    unknown parts get a nominal 100 TFLOP/s (``mmpipe profile`` measures what a stage achieves)."""
+    return _BF16_PEAKS.get((major, minor), 100e12)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -228,7 +227,7 @@ class Executor:
             if a.kind == ActionKind.B:
                 state.last_backward[a.stage] = _mb(a)
         for i, action in enumerate(actions):
-            start = time.perf_counter()
+            start = self.events.mark() if self.events is not None else 0.0
             tier = dataclasses.replace(self.spill.stats) if self.spill is not None else None
             try:
                 # Under torch.profiler (profile.enabled), each action is a range named like its text form.
@@ -249,7 +248,7 @@ class Executor:
                         # the action waiting on the tier: the forward on the writer, the backward on reads
                         "offload_wait_s": now.read_s - tier.read_s + now.pack_wait_s - tier.pack_wait_s,
                     }
-                self.events.record(action, start, time.perf_counter(), moved, **extra)
+                self.events.record(action, start, self.events.mark(), moved, **extra)
         for stage in self.local:  # a forward-only pass leaves gather_once parameters gathered
             module = self.modules[stage]
             if self.groups[stage].gather_once and isinstance(module, FSDPModule) and stage not in state.last_backward:

@@ -138,8 +138,8 @@ def test_memory_auto_in_a_run_config_sets_the_plans_fractions(tmp_path) -> None:
 def test_memory_config_errors_name_the_values() -> None:
     from mmpipe.config import StageMemoryConfig
 
-    with pytest.raises(ValueError, match="policy=auto needs a positive budget_gb"):
-        StageMemoryConfig(policy="auto")
+    with pytest.raises(ValueError, match="policy=auto needs a positive budget_gb, got -1"):
+        StageMemoryConfig(policy="auto", budget_gb=-1)
     with pytest.raises(ValueError, match="budget_gb=3.0 is only used with policy=auto"):
         StageMemoryConfig(policy="keep", budget_gb=3.0)
 
@@ -169,3 +169,21 @@ def test_policy_per_block_from_the_config(tiny_wan_dir) -> None:
         from_dict(RunConfig, {"memory": {"dit": {"blocks": ["keep", "bogus"]}}})
     with pytest.raises(ValueError, match="give a policy or a list per block"):
         StageMemoryConfig(policy="recompute", blocks=["keep"])
+
+
+def test_auto_without_a_budget_needs_a_gpu(tmp_path) -> None:
+    """``memory.dit.policy=auto`` with no ``budget_gb`` budgets against the GPU; CPU ranks must give one."""
+    from mmpipe.config import RunConfig, StageMemoryConfig
+    from mmpipe.sched.plan import DeviceGroup, PlanError
+    from mmpipe.train import device_budget_gb
+
+    cfg = RunConfig(run_dir=str(tmp_path), device="cpu", memory={"dit": StageMemoryConfig(policy="auto")})
+    with pytest.raises(PlanError, match=r"memory.dit.policy=auto: give memory.dit.budget_gb on CPU ranks"):
+        device_budget_gb(None, "dit", {"dit": DeviceGroup((0,))}, cfg)  # type: ignore[arg-type]
+
+
+def test_cuda_peaks_by_architecture() -> None:
+    from mmpipe.sched.cluster import cuda_peak_flops
+
+    assert cuda_peak_flops(9, 0) == 989e12  # H100 / H200 dense bf16
+    assert cuda_peak_flops(7, 5) == 100e12  # unknown: nominal

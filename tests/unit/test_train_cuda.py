@@ -45,3 +45,21 @@ def test_training_on_cuda_records_the_allocator(tmp_path: Path) -> None:
     assert len(losses) == 2 and all(np.isfinite(losses))
     samples = [json.loads(x) for p in (result.run_dir / "memory").glob("*.jsonl") for x in p.read_text().splitlines()]
     assert samples and all("cuda_peak" in s for s in samples), samples[:2]
+
+
+def test_events_time_the_device_not_the_launch(tmp_path: Path) -> None:
+    import time
+
+    from mmpipe.runtime.events import EventRecorder, read_events
+    from mmpipe.sched.plan import Action
+
+    rec = EventRecorder(tmp_path, 0, torch.device("cuda"))
+    t0 = time.perf_counter()
+    start = rec.mark()
+    torch.cuda._sleep(100_000_000)  # ~50 ms of device time at ~2 GHz, launched in microseconds
+    end = rec.mark()
+    launched = time.perf_counter() - t0
+    rec.record(Action.parse("dit:F:mb0"), start, end, 0)
+    rec.close()
+    (event,) = read_events(tmp_path)
+    assert event["end"] - event["start"] > 0.02 > launched, (event, launched)
