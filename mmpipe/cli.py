@@ -94,7 +94,10 @@ def _run_plan(raw: dict[str, Any]) -> None:
 
 def _run_profile(raw: dict[str, Any]) -> None:
     cfg = from_dict(ProfileConfig, raw)
+    from mmpipe.devices import resolve_device
     from mmpipe.planning import default_calibration_path, profile
+
+    resolve_device(cfg.device)  # device=cuda without a GPU: refused before the runs start
 
     cal = profile(
         cfg.model,
@@ -104,6 +107,7 @@ def _run_profile(raw: dict[str, Any]) -> None:
         steps=cfg.steps,
         warmup=cfg.warmup,
         threads=cfg.threads,
+        device=cfg.device,
     )
     for stage, entry in cal.stages.items():
         parts = [

@@ -135,14 +135,16 @@ def profile(
     warmup: int = 2,
     threads: int = 1,
     probe: bool = True,
+    device: str = "auto",
 ) -> Calibration:
-    """Calibrate the cost model on this machine's CPU from real single-rank training runs.
+    """Calibrate the cost model on this machine's CPU or GPU (``device``) from real single-rank training runs.
 
     The model is trained for ``steps`` steps at two micro-batch sizes; from the recorded events,
     each stage's median forward / backward time at both sizes gives a fixed part (per action) and
     a per-sample part, whose FLOPs (from the cost model) over the nominal peak are the efficiency;
     STEP events give the optimizer time, and the wall time not spent in actions the per-step
-    overhead. ``probe`` also measures the transport's latency and bandwidth between two ranks.
+    overhead. ``probe`` also measures the transport's latency and bandwidth between two CPU ranks
+    (not on a GPU: its ranks' transport is NCCL's, one GPU each).
     """
     if model.arch is not None:
         raise ValueError(f"model {model.name!r} is architecture-only (no weights): profile a model with weights")
@@ -151,11 +153,13 @@ def profile(
     if steps <= warmup + 1:
         raise ValueError(f"profile needs steps > warmup + 1, got steps={steps} warmup={warmup}")
     from mmpipe.config import LaunchConfig, RunConfig, TrainConfig
+    from mmpipe.devices import DeviceType, resolve_device
     from mmpipe.runtime.events import read_events
     from mmpipe.sched.simulator import measured_step_time
     from mmpipe.train import train
 
-    cluster = Cluster.local(1)
+    cuda = resolve_device(device) is DeviceType.CUDA
+    cluster = Cluster.local_cuda(1) if cuda else Cluster.local(1)
     graph, shapes = planning_graph(model, data)
     costs = measure_graph_costs(graph, shapes)
     timings: dict[int, dict[tuple[str, str], float]] = {}
@@ -166,6 +170,7 @@ def profile(
             batch = n * micro_batches
             cfg = RunConfig(
                 run_dir=str(run_dir),
+                device="cuda" if cuda else "cpu",
                 model=model,
                 data=dataclasses.replace(data, val_samples=max(data.val_samples, batch)),
                 train=TrainConfig(
@@ -210,7 +215,7 @@ def profile(
             entry["step_s"] = t2[(name, "STEP")]
         stages[name] = entry
     transport: dict[str, float] = {}
-    if probe:
+    if probe and not cuda:
         from mmpipe.runtime.probe import probe_transport
 
         transport = probe_transport()

@@ -135,8 +135,8 @@ class Cluster:
         props = torch.cuda.get_device_properties(0)
         n = nproc or torch.cuda.device_count()
         return cls(
-            name="local-cuda",
-            device=props.name,
+            name=f"local-cuda ({props.name})",
+            device="cuda",
             world_size=n,
             peak_flops=cuda_peak_flops(props.major, props.minor),
             memory_bytes=props.total_memory,

@@ -29,6 +29,10 @@ def context() -> ForkServerContext:
     """The multiprocessing context for mmpipe's local workers (the preloading forkserver)."""
     # Applies when the server starts (the first process this one launches); later calls are no-ops.
     multiprocessing.set_forkserver_preload(list(PRELOAD))
+    # A library that asks torch.cuda.is_available() while the server preloads it would initialise
+    # the CUDA driver there, and CUDA does not survive a fork: children could not use their GPU.
+    # NVML answers the question without initialising CUDA (torch's documented switch for this).
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     return multiprocessing.get_context(START_METHOD)
 
 
