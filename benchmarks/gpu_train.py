@@ -161,7 +161,7 @@ def mmpipe_config(spec: ModelConfig, args: argparse.Namespace, run_dir: Path, bu
     if not args.no_policy:
         overrides += ["memory.dit.policy=auto"] + ([f"memory.dit.budget_gb={budget_gb}"] if budget_gb else [])
     cfg = from_dict(RunConfig, compose_config("train", overrides))
-    return dataclasses.replace(cfg, model=spec)
+    return dataclasses.replace(cfg, model=dataclasses.replace(spec, compile=args.compile))
 
 
 def run_mmpipe(graph: Graph, cfg: RunConfig, args: argparse.Namespace) -> tuple[list[float], dict[str, Any]]:
@@ -199,6 +199,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--budget-gb", type=float, default=None, help="mmpipe's DiT memory budget (default: the GPU's)")
     p.add_argument("--no-policy", action="store_true", help="mmpipe keeps every activation (no memory policy)")
+    p.add_argument("--compile", action="store_true", help="mmpipe with model.compile=true (regional compilation)")
     args = p.parse_args(argv)
     if args.tiny:
         args.frames, args.height, args.width = min(args.frames, 9), min(args.height, 64), min(args.width, 64)

@@ -70,6 +70,8 @@ class ModelConfig:
     arch: dict[str, Any] | None = None
     video: VideoSize | None = None
     kernels: KernelConfig = dataclasses.field(default_factory=KernelConfig)
+    # torch.compile each trained stage's repeated blocks (regional compilation, as torchtitan does)
+    compile: bool = False
 
     def __post_init__(self) -> None:
         _positive("model", self, "text_dim", "text_len", "dit_heads", "dit_head_dim", "dit_layers", "vae_base_dim")

@@ -563,6 +563,7 @@ class TrainLoop:
             device=devices.rank_device(),
             precision=devices.precision,
             wire=devices.wire(),
+            compile_blocks=cfg.model.compile,
         )
         self.executor.optimizers = {s: self._optim(s) for s in self.executor.local if s in self.train_plan.trainable}
         for s in self.executor.optimizers:

@@ -73,12 +73,13 @@ class Executor:
         device: torch.device | None = None,
         precision: Precision = Precision.FP32,
         wire: torch.device | None = None,
+        compile_blocks: bool = False,
     ) -> None:
         self.graph, self.plan, self.mesh, self.rank = graph, plan, mesh, mesh.rank
         # device: where this rank's modules and tensors live; wire: where edge payloads travel
         # (None: as they are, CPU; the GPU under NCCL; the host when gloo moves CUDA tensors)
         self.device = device if device is not None else torch.device("cpu")
-        self.precision, self.wire = precision, wire
+        self.precision, self.wire, self.compile_blocks = precision, wire, compile_blocks
         self.spill_dir = spill_dir  # where offloaded activations go on CPU (a file tier per rank)
         self.spill: Tier | None = None  # this rank's offload tier, made by the first stage that offloads
         self.groups = plan.groups
@@ -121,6 +122,8 @@ class Executor:
             st.parallelize_sequence(module, self.mesh.sequence_mesh(stage, zigzag=st.sequence_causal))
         if group.recompute or group.offload or group.blocks.strip("k"):
             self._apply_memory_policy(stage, module)
+        if self.compile_blocks and not st.frozen:
+            compile_blocks(module)
         mesh = self.mesh.fsdp_mesh(stage)
         if mesh is not None and not st.frozen:
             # FSDP2 averages gradients over the group (gloo has no pre-scaled sum); _backward
@@ -465,6 +468,18 @@ class Executor:
 
     def _tag(self, src: str, dst: str, grad: bool) -> int:
         return 2 * self._tags[(src, dst)] + int(grad)
+
+
+def compile_blocks(module: nn.Module) -> None:
+    """Regional compilation: ``torch.compile`` each repeated block in place (torchtitan's recipe).
+    Identical blocks share one compiled graph (parameters are graph inputs, not constants), so a
+    30-block DiT compiles once; applied after the activation policy wraps a block's forward, so a
+    recomputed block's recomputation runs compiled too."""
+    blocks = repeated_blocks(module)
+    if not blocks:
+        raise PlanError(f"model.compile=true: {type(module).__name__} has no repeated blocks to compile")
+    for block in blocks:
+        block.compile()
 
 
 def check_pair_order(plan: Plan) -> None:
