@@ -1,4 +1,10 @@
-"""``mmpipe generate``: a prompt -> a GIF and an MP4, with the DiT of a trained run."""
+"""``mmpipe generate``: a prompt -> a GIF and an MP4, with the DiT of a trained run.
+
+``device=cpu`` computes in float32 as the run was saved; ``device=cuda`` (or ``auto`` on a GPU
+machine) loads the pipeline onto the GPU in diffusers' Wan precision (bf16 text encoder and DiT,
+their fp32-kept modules and the VAE float32; :func:`mmpipe.pipelines.place_graph`) and resolves the
+run's ``model.kernels`` for CUDA (``auto``: mmpipe's Triton kernels).
+"""
 
 from __future__ import annotations
 
@@ -11,8 +17,8 @@ import torch
 
 from mmpipe.checkpoint import latest_checkpoint, load_latest_weights
 from mmpipe.config import GenerateConfig, RunConfig
-from mmpipe.devices import DeviceType, resolve_device
 from mmpipe.data import frames_to_uint8, write_gif, write_mp4
+from mmpipe.devices import DeviceType, resolve_device
 from mmpipe.errors import loading_errors
 from mmpipe.kernels import registry as kernels
 from mmpipe.kernels.wan import use_kernels
@@ -63,9 +69,9 @@ def apply_kernels(graph: T2VGraph, choice: kernels.KernelChoice) -> None:
 
 
 def generate(cfg: GenerateConfig) -> dict[str, Path]:
-    """Render ``cfg.prompt`` with the trained run ``cfg.ckpt`` on ``cfg.device``; returns the written files: the GIF,
-    the MP4 and the generation's own run directory (its events, memory samples and trace, which
-    ``mmpipe report`` reads)."""
+    """Render ``cfg.prompt`` with the trained run ``cfg.ckpt`` on ``cfg.device``; returns the
+    written files: the GIF, the MP4 and the generation's own run directory (its events, memory
+    samples and trace, which ``mmpipe report`` reads)."""
     assert cfg.ckpt is not None  # GenerateConfig.__post_init__ requires it
     device = resolve_device(cfg.device)  # device=cuda without a GPU: refused before anything loads
     run_dir = Path(cfg.ckpt)

@@ -19,6 +19,7 @@ from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processor
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2Model, UMT5Config, UMT5EncoderModel
 
 from mmpipe.config import ModelConfig
+from mmpipe.pipelines import place_module
 
 SPECIAL_TOKENS = ("<pad>", "</s>", "<unk>")  # T5 order: pad=0, eos=1, unk=2
 
@@ -99,6 +100,8 @@ def build_tiny_wan_pipeline(spec: ModelConfig, texts: Sequence[str], *, seed: in
     scheduler = UniPCMultistepScheduler(
         prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=1000, flow_shift=spec.flow_shift
     )
+    for module in (text_encoder, vae, transformer):
+        module.eval()  # as from_pretrained returns them: no dropout in the frozen text encoder
     return WanPipeline(
         tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler, transformer=transformer
     )
@@ -165,14 +168,10 @@ def build_full_wan_pipeline(
     with torch.random.fork_rng(devices=[]), torch.device(device):
         torch.manual_seed(seed)
         tokenizer = build_word_tokenizer(texts)
-        text_encoder = UMT5EncoderModel(text_cfg).to(torch.bfloat16).eval()
+        text_encoder = place_module(UMT5EncoderModel(text_cfg).eval(), device, torch.bfloat16)
         vae = AutoencoderKLWan.from_config(vae_kw).eval()
-        transformer = WanTransformer3DModel.from_config(dit_kw).to(torch.bfloat16).eval()
-        # what from_pretrained(torch_dtype=bf16) does: the modules diffusers keeps in float32 stay so
-        keep = transformer._keep_in_fp32_modules or []
-        for name, sub in transformer.named_modules():
-            if any(k in name.split(".") for k in keep):
-                sub.float()
+        # bf16 but for what from_pretrained(torch_dtype=bf16) keeps in float32 (norms, modulation tables)
+        transformer = place_module(WanTransformer3DModel.from_config(dit_kw).eval(), device, torch.bfloat16)
     scheduler = UniPCMultistepScheduler(
         prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=1000, flow_shift=spec.flow_shift
     )
