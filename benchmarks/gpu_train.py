@@ -6,9 +6,9 @@ weights under bf16 autocast, AdamW, gradient clipping 1.0) on the same batch: on
 moving-shapes clip and its caption, micro-batch 1, Wan's flow-matching loss with the same noise.
 
 * **baseline**: the loop diffusers' training examples write (``accelerate``'s ``mixed_precision=bf16``
-  is autocast; ``--gradient_checkpointing`` is ``transformer.enable_gradient_checkpointing()``,
-  which a 33k-token clip needs to fit): encode text and video under ``no_grad``, noise, predict,
-  MSE, backward, clip, step.
+  is autocast): encode text and video under ``no_grad``, noise, predict, MSE, backward, clip, step.
+  At its best: without gradient checkpointing when the step fits in memory, else with
+  ``transformer.enable_gradient_checkpointing()`` (the examples' ``--gradient_checkpointing``).
 * **mmpipe**: the training loop ``mmpipe train device=cuda`` runs (:func:`mmpipe.train.start_rank`,
   the executor interpreting the one-rank plan) with its defaults on CUDA: bf16 precision,
   ``model.kernels=auto`` (mmpipe's Triton attention, fused norm + modulate and RoPE kernels), and
@@ -107,11 +107,25 @@ def reset_peak(device: torch.device) -> None:
 
 
 def run_baseline(pipe: Any, batch: dict[str, torch.Tensor], args: argparse.Namespace, shift: float) -> list[float]:
-    """Seconds per step of the diffusers-example loop."""
+    """Seconds per step of the diffusers-example loop: without gradient checkpointing if it fits."""
+    try:
+        return baseline_steps(pipe, batch, args, shift, checkpointing=False)
+    except torch.OutOfMemoryError:
+        log("baseline: out of memory without gradient checkpointing; again with it")
+        pipe.transformer.zero_grad(set_to_none=True)
+        torch.cuda.empty_cache()
+        return baseline_steps(pipe, batch, args, shift, checkpointing=True)
+
+
+def baseline_steps(
+    pipe: Any, batch: dict[str, torch.Tensor], args: argparse.Namespace, shift: float, *, checkpointing: bool
+) -> list[float]:
     device = torch.device(args.device)
+    RESULT["baseline_gradient_checkpointing"] = checkpointing
     text_encoder, vae, dit = pipe.text_encoder, pipe.vae.to(torch.bfloat16), pipe.transformer
     dit.train()
-    dit.enable_gradient_checkpointing()
+    if checkpointing:
+        dit.enable_gradient_checkpointing()
     opt = torch.optim.AdamW([p for p in dit.parameters() if p.requires_grad], lr=1e-5, weight_decay=0.01)
     mean = torch.tensor(vae.config.latents_mean, device=device).view(1, -1, 1, 1, 1)
     inv_std = 1.0 / torch.tensor(vae.config.latents_std, device=device).view(1, -1, 1, 1, 1)
@@ -235,8 +249,8 @@ def main(argv: list[str] | None = None) -> int:
         gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         torch=torch.__version__,
         shape={"frames": args.frames, "height": args.height, "width": args.width, "micro_batch": 1},
-        baseline="plain PyTorch loop as diffusers' training examples write it (bf16 autocast, AdamW, "
-        "transformer.enable_gradient_checkpointing(), frozen text encoder and VAE in bf16)",
+        baseline="plain PyTorch loop as diffusers' training examples write it (bf16 autocast, AdamW, frozen "
+        "text encoder and VAE in bf16; gradient checkpointing only if the step does not fit without it)",
     )
     with tempfile.TemporaryDirectory(prefix="mmpipe-gpu-train-") as tmp:
         budget = args.budget_gb
