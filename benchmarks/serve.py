@@ -22,11 +22,13 @@ MP4 encoding) bitwise equal to diffusers' for the same seed. The last stdout lin
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -82,9 +84,70 @@ def run_diffusers(path: Path, args: argparse.Namespace, seeds: list[int]) -> dic
     return {"latencies": latencies, "total": total, "frames": frames}
 
 
-def run_mmpipe(path: Path, args: argparse.Namespace, seeds: list[int], run_dir: Path) -> dict[str, Any]:
+@contextlib.contextmanager
+def serving(cfg: ServeConfig) -> Iterator[tuple[Engine, Any]]:
+    """The engine of ``cfg`` behind the real HTTP server on a free port, and an ``openai`` client of
+    it; on exit the server stops and the engine closes without draining."""
     import openai
 
+    engine = Engine(cfg)
+    try:
+        http = HttpServer(engine, bind("127.0.0.1", 0), log_level="warning").start()
+    except BaseException:
+        engine.close(drain=False)
+        raise
+    try:
+        yield engine, openai.OpenAI(base_url=f"{http.url}/v1", api_key="unused", max_retries=0)
+    finally:
+        http.stop()
+        http.join(10)
+        engine.close(drain=False)
+
+
+def request_video(client: Any, model: str, prompt: str, seed: int, args: argparse.Namespace) -> tuple[float, str]:
+    """One video through the API as a client makes it: create, poll every 10 ms until final, download
+    the MP4; returns the latency (create to completed status) and the video id."""
+    t0 = time.perf_counter()
+    video = client.videos.create(
+        model=model,
+        prompt=prompt,
+        size=f"{args.width}x{args.height}",
+        extra_body={"seed": seed, "frames": args.frames, "steps": args.steps, "guidance": args.guidance},
+    )
+    while video.status not in ("completed", "failed"):
+        time.sleep(0.01)
+        video = client.videos.retrieve(video.id)
+    latency = time.perf_counter() - t0
+    if video.status != "completed":
+        raise RuntimeError(f"request with seed {seed} failed: {video.error}")
+    client.videos.download_content(video.id).read()
+    return latency, video.id
+
+
+def run_clients(one: Callable[[int], Any], requests: int, clients: int, results: dict[int, Any]) -> float:
+    """``clients`` threads sending requests ``0..requests-1`` through ``one``, each client one request
+    after another; ``results[i]`` is set as request ``i`` finishes. Returns the wall time."""
+    next_index = iter(range(requests))
+    lock = threading.Lock()
+
+    def client_loop() -> None:
+        while True:
+            with lock:
+                i = next(next_index, None)
+            if i is None:
+                return
+            results[i] = one(i)
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=client_loop, daemon=True) for _ in range(clients)]  # a SIGTERM ends them too
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - start
+
+
+def run_mmpipe(path: Path, args: argparse.Namespace, seeds: list[int], run_dir: Path) -> dict[str, Any]:
     cfg = ServeConfig(
         pipeline=str(path),
         run_dir=str(run_dir),
@@ -98,59 +161,21 @@ def run_mmpipe(path: Path, args: argparse.Namespace, seeds: list[int], run_dir: 
         steps=args.steps,
         guidance=args.guidance,
     )
-    engine = Engine(cfg)
-    http = HttpServer(engine, bind("127.0.0.1", 0), log_level="warning").start()
-    client = openai.OpenAI(base_url=f"{http.url}/v1", api_key="unused", max_retries=0)
+    with serving(cfg) as (engine, client):
 
-    def one(i: int) -> tuple[float, str]:
-        t0 = time.perf_counter()
-        video = client.videos.create(
-            model=cfg.model_name,
-            prompt=PROMPTS[i % len(PROMPTS)],
-            size=f"{args.width}x{args.height}",  # type: ignore[arg-type]
-            extra_body={"seed": seeds[i], "frames": args.frames, "steps": args.steps, "guidance": args.guidance},
-        )
-        while video.status not in ("completed", "failed"):
-            time.sleep(0.01)
-            video = client.videos.retrieve(video.id)
-        latency = time.perf_counter() - t0
-        if video.status != "completed":
-            raise RuntimeError(f"request {i} failed: {video.error}")
-        client.videos.download_content(video.id).read()
-        return latency, video.id
+        def one(i: int) -> tuple[float, str]:
+            return request_video(client, cfg.model_name, PROMPTS[i % len(PROMPTS)], seeds[i], args)
 
-    try:
         one(0)  # warm-up
         unloaded = [one(i)[0] for i in range(args.unloaded)]
         results: dict[int, tuple[float, str]] = {}
-        next_index = iter(range(args.requests))
-        lock = threading.Lock()
-
-        def client_loop() -> None:
-            while True:
-                with lock:
-                    i = next(next_index, None)
-                if i is None:
-                    return
-                results[i] = one(i)
-
-        start = time.perf_counter()
-        threads = [threading.Thread(target=client_loop) for _ in range(args.clients)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        total = time.perf_counter() - start
+        total = run_clients(one, args.requests, args.clients, results)
         frames = []
         for i in range(args.requests):
             job = engine.get(results[i][1])
             assert job is not None and job.frames is not None
             frames.append(job.frames)
         placement = engine.placement_text()
-    finally:
-        http.stop()
-        http.join(10)
-        engine.close(drain=False)
     return {
         "latencies": [results[i][0] for i in range(args.requests)],
         "unloaded": unloaded,

@@ -309,9 +309,9 @@ class ServeConfig:
     run_dir: str | None = None  # events, memory samples and the config; None: runs/serve-<timestamp>
     host: str = "127.0.0.1"
     port: int = 8000  # 0: any free port
-    placement: dict[str, Any] = dataclasses.field(
-        default_factory=lambda: {"text": [0], "denoise": [0, 1], "decode": [0, 1]}
-    )
+    # stage -> groups; None: the device's default (CPU: text on group 0, DiT and VAE on groups 0 and 1;
+    # CUDA: one group per GPU running every stage)
+    placement: dict[str, Any] | None = None
     threads: int = 0  # torch threads per group; 0: the machine's cores / groups
     max_batch: int = 4  # requests a stage runs as one batch
     max_wait_ms: float = 5.0  # how long a stage waits for a batch to fill
@@ -345,6 +345,8 @@ class ServeConfig:
                 raise ValueError(f"{key}={value!r} is not a directory")
         if self.pipeline and self.ckpt:
             raise ValueError("give pipeline=DIR or ckpt=RUN_DIR, not both")
+        if self.placement is None:
+            return
         unknown = sorted(set(self.placement) - set(STAGE_NAMES_SERVE))
         if unknown:
             raise ValueError(f"placement.{unknown[0]}: unknown stage; stages: {list(STAGE_NAMES_SERVE)}")
@@ -370,7 +372,8 @@ class ServeConfig:
 
     @property
     def groups(self) -> int:
-        """How many device groups (worker processes) the placement names."""
+        """How many device groups (worker processes) the placement names (once it is resolved)."""
+        assert self.placement is not None, "the serving engine resolves a missing placement for its device"
         return 1 + max(g for groups in self.placement.values() for g in groups)
 
 

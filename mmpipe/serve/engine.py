@@ -22,6 +22,17 @@ Per group, one loop (:class:`_GroupWorker`) interleaves its stages:
 A stage that raises fails only the request it ran for (a batch that raises is re-run request by
 request to find it); the front end then tells the other groups to drop it. Cancelling, a client
 disconnect or a timeout drops a request the same way.
+
+On CUDA (``device=cuda``, or ``auto`` with a GPU visible) each group's worker computes on
+``rank_device(CUDA, group)``, so groups share a GPU when there are fewer GPUs than groups; its
+stages' modules are placed there in serving precision (text encoder and DiT bf16, VAE float32:
+:mod:`mmpipe.serve.placement`), and with no placement given a GPU machine gets one group per GPU
+running every stage. Tensors between groups are staged through host memory over the same gloo
+transport (copied to the host before they are sent, to the device after they arrive); NCCL between
+groups on distinct GPUs is not built. bf16 GEMMs and attention may pick another kernel, hence another
+reduction order, for another batch size, so on CUDA batching keeps outputs close to, not bitwise,
+those of a request alone (``tests/serve/test_engine_cuda.py`` bounds the difference). On CPU nothing
+changes: float32, and bitwise outputs whatever the batching.
 """
 
 from __future__ import annotations
@@ -48,6 +59,7 @@ import torch
 import yaml
 
 from mmpipe.config import ServeConfig, to_dict
+from mmpipe.devices import DeviceType, rank_device, resolve_device
 from mmpipe.errors import cause, loading_errors
 from mmpipe.runtime import procs
 from mmpipe.serve.protocol import GenerationRequest, Job, JobStatus, QueueFull
@@ -74,7 +86,8 @@ GraphFactory = Callable[[dict[str, Any]], Any]  # (source spec) -> T2VGraph, run
 
 
 def default_graph(spec: dict[str, Any]) -> Any:
-    """The inference graph of a source spec: a trained run (``ckpt``), or a pipeline directory."""
+    """The inference graph of a source spec: a trained run (``ckpt``), or a pipeline directory (on
+    CUDA loaded in serving precision, as diffusers loads it; see :mod:`mmpipe.serve.placement`)."""
     from mmpipe.pipelines import from_diffusers
 
     if spec.get("ckpt"):
@@ -82,6 +95,11 @@ def default_graph(spec: dict[str, Any]) -> Any:
 
         return load_trained_graph(Path(spec["ckpt"]))
     with loading_errors(f"pipeline={str(spec['pipeline'])!r}"):
+        if spec.get("device", "cpu") == DeviceType.CUDA:
+            from mmpipe.serve.placement import load_wan_pipeline
+
+            pipe = load_wan_pipeline(spec["pipeline"])
+            return from_diffusers(pipe, max_sequence_length=spec["text_len"])
         return from_diffusers(spec["pipeline"], max_sequence_length=spec["text_len"])
 
 
@@ -114,11 +132,13 @@ class Engine:
             from mmpipe.serve.metrics import ServeMetrics
 
             metrics = ServeMetrics()
+        self.device = resolve_device(cfg.device, key="device")  # before anything is written or started
+        cfg = self._placed(cfg)
         self.cfg = cfg
         self.model_id = cfg.model_name
         self.metrics = metrics
         self._tmp: str | None = None
-        self._spec = self._source_spec(cfg)
+        self._spec = self._source_spec(cfg) | {"device": self.device.value}
         self.run_dir = Path(cfg.run_dir or f"runs/serve-{time.strftime('%Y%m%d-%H%M%S')}")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "serve.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
@@ -144,6 +164,7 @@ class Engine:
             "threads": threads,
             "run_dir": str(self.run_dir),
             "env": procs.environment(),
+            "device": self.device.value,
         }
         options = {k: getattr(cfg, k) for k in ("max_batch", "max_wait_ms")} | {"placement": cfg.placement}
         self._procs = [
@@ -168,6 +189,13 @@ class Engine:
         self._watcher.start()
 
     # ---- set-up ------------------------------------------------------------------------------
+    def _placed(self, cfg: ServeConfig) -> ServeConfig:
+        """``cfg`` with the placement to run: the device's default when none was given."""
+        from mmpipe.serve.placement import resolve_placement
+
+        gpus = torch.cuda.device_count() if self.device is DeviceType.CUDA else 0
+        return dataclasses.replace(cfg, placement=resolve_placement(cfg.placement, self.device, gpus))
+
     def _source_spec(self, cfg: ServeConfig) -> dict[str, Any]:
         """What each worker builds its graph from, checked here so that a bad directory is refused
         before any worker starts."""
@@ -214,11 +242,12 @@ class Engine:
                 raise ServeStartError(f"serving group {msg[1]} failed to start: {msg[2]}", group=msg[1])
 
     def placement_text(self) -> str:
-        """Which stages each device group (worker process, rank) runs."""
+        """Which stages each device group (worker process, rank) runs, and on which GPU."""
         lines = []
         for g in range(self.cfg.groups):
             stages = [s for s, groups in self.cfg.placement.items() if g in groups]
-            lines.append(f"group {g} (rank {g}, pid {self._procs[g].pid}): {', '.join(stages)}")
+            gpu = f", {rank_device(self.device, g)}" if self.device is DeviceType.CUDA else ""
+            lines.append(f"group {g} (rank {g}, pid {self._procs[g].pid}{gpu}): {', '.join(stages)}")
         return "\n".join(lines)
 
     # ---- requests ----------------------------------------------------------------------------
@@ -413,6 +442,7 @@ def _worker_main(
     import signal
 
     import mmpipe  # noqa: F401  (sets TRITON_INTERPRET before diffusers imports triton)
+    from mmpipe.serve.placement import place_stages
 
     procs.adopt_environment(init["env"])
 
@@ -432,8 +462,10 @@ def _worker_main(
                 world_size=init["world"],
                 timeout=datetime.timedelta(seconds=600),
             )
+        device = _group_device(DeviceType(init["device"]), group)
         graph = (graph_factory or default_graph)(spec)
-        worker = _GroupWorker(group, init["world"], graph, options, inbox, outbox, Path(init["run_dir"]))
+        place_stages(graph, device, {s for s, groups in options["placement"].items() if group in groups})
+        worker = _GroupWorker(group, init["world"], graph, options, inbox, outbox, Path(init["run_dir"]), device)
     except Exception as err:
         # The cause goes to the front end (one line); the traceback to a file it names, not the terminal.
         log = Path(init["run_dir"]) / f"serve-group{group}-start-error.txt"
@@ -450,6 +482,14 @@ def _worker_main(
         worker.close()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def _group_device(device: DeviceType, group: int) -> torch.device:
+    """The device of a group's worker, made current (kernels launched without a device run there)."""
+    placed = rank_device(device, group)
+    if placed.type == "cuda":
+        torch.cuda.set_device(placed)
+    return placed
 
 
 @dataclasses.dataclass
@@ -478,18 +518,27 @@ class _GroupWorker:
     """One group's loop: control messages, p2p messages, then at most one batch per stage."""
 
     def __init__(
-        self, group: int, world: int, graph: Any, options: dict[str, Any], inbox: Any, outbox: Any, run_dir: Path
+        self,
+        group: int,
+        world: int,
+        graph: Any,
+        options: dict[str, Any],
+        inbox: Any,
+        outbox: Any,
+        run_dir: Path,
+        device: torch.device,
     ) -> None:
         from mmpipe.report.recording import MemorySampler
         from mmpipe.runtime.events import EventRecorder
         from mmpipe.serve.batching import make_row_exact
 
-        self.group, self.world, self.graph = group, world, graph
+        self.group, self.world, self.graph, self.device = group, world, graph, device
         self.inbox, self.outbox = inbox, outbox
         self.max_batch: int = options["max_batch"]
         self.max_wait = options["max_wait_ms"] / 1e3
         placement = options["placement"]
         self.stages = {s for s, groups in placement.items() if group in groups}
+        self.dit_dtype: torch.dtype = graph.denoise.module.dtype
         if "denoise" in self.stages:
             make_row_exact(graph.denoise.module)
         self.requests: dict[int, _Request] = {}
@@ -558,7 +607,8 @@ class _GroupWorker:
             self._deliver(kind, number, tensors)
             return
         start = time.perf_counter()
-        message = [torch.tensor([kind, number], dtype=torch.int64), *tensors]
+        # gloo moves host tensors only: a device tensor is staged through host memory (no NCCL here).
+        message = [torch.tensor([kind, number], dtype=torch.int64), *(t.cpu() for t in tensors)]
         for work in isend_tensors(message, dst=dst, tag=_TAG):
             work.wait()  # the peer's receiver thread is always posted: this returns at once
         src_stage, dst_stage = edge.split("->")
@@ -601,7 +651,7 @@ class _GroupWorker:
         source, msg = event
         if source == "p2p":
             kind, number = (int(v) for v in msg[0].tolist())
-            self._deliver(kind, number, msg[1:])
+            self._deliver(kind, number, [t.to(self.device) for t in msg[1:]])  # arrived on the host
         elif msg[0] == "submit":
             _, number, request, route = msg
             req = _Request(number, GenerationRequest(**request), _Route(**route))
@@ -696,11 +746,13 @@ class _GroupWorker:
         cfg = g.denoise.source.config
         shape = (1, cfg.in_channels, (r.frames - 1) // g.scale_t + 1, r.height // g.scale_s, r.width // g.scale_s)
         # graph.generate's noise: one generator seeded with the request's seed.
+        # Drawn on the host and moved, as diffusers' randn_tensor does with a CPU generator.
         noise = torch.randn(shape, generator=torch.Generator().manual_seed(r.seed), dtype=torch.float32)
+        noise = noise.to(self.device)
         scheduler: Any = copy.deepcopy(g.denoise.scheduler)
         scheduler.set_timesteps(r.steps, device=noise.device)
         scheduler.set_begin_index(0)
-        dtype = g.denoise.module.dtype
+        dtype = self.dit_dtype
         uncond = tensors[1].to(dtype) if r.guidance > 1.0 else None
         key = (shape, uncond is not None, tuple(tensors[0].shape))
         return _Denoising(req.number, tensors[0].to(dtype), uncond, noise, scheduler, r.guidance, key, ready)
@@ -750,7 +802,7 @@ class _GroupWorker:
     def _dit(self, batch: list[_Denoising]) -> list[torch.Tensor]:
         """One DiT forward over the batch's conditional rows then unconditional rows."""
         module = self.graph.denoise.module
-        dtype = module.dtype
+        dtype = self.dit_dtype
         x = torch.cat([d.latents.to(dtype) for d in batch])
         ts = torch.cat([d.scheduler.timesteps[d.step].expand(1) for d in batch])
         ctx = torch.cat([d.cond for d in batch])
