@@ -10,10 +10,11 @@
 #   python3 -m pip download $P -d .whl diffusers==0.42.1 hydra-core==1.3.8 omegaconf==2.3.1 av==18.1.0 ftfy==6.3.1 \
 #       wcwidth==0.9.4 fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 \
 #       typing-inspection==0.4.5 annotated-doc==0.0.7 uvicorn==0.55.0 python-multipart==0.0.34 openai==3.60.0 \
-#       jiter==0.19.0 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5
+#       jiter==0.19.0 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 sniffio==1.3.1 opentelemetry-api==1.45.2 \
+#       plotly==7.1.0 narwhals==2.29.0
 #   python3 -m pip wheel --no-deps -w .whl antlr4-python3-runtime==4.9.3   # omegaconf's; PyPI has no wheel of it
 #
-# (48 MB; constraints.txt's versions, a test holds them equal) and, for the xformers step of the
+# (58 MB; constraints.txt's versions, a test holds them equal) and, for the xformers step of the
 # kernel tests only, xformers==0.0.35 in .whl/ and nvidia-cuda-runtime-cu12==12.8.90 in .whl/cu12/.
 # Then `run(command="bash benchmarks/gpu_checks.sh train generate pipeline probe tests", carry=[".whl"],
 # timeout_s=600)` and, within the 30 s the machine stays warm, `... gpu_checks.sh serve` (issue 29:
@@ -41,7 +42,7 @@ if compgen -G ".whl/cu12/*.whl" >/dev/null; then  # outside PYTHONPATH: only its
 fi
 # mmpipe's folders install inside its namespace (pyproject's package-dir), so it is installed, not run
 # from source; `python3 -P` keeps the checkout's ./mmpipe (which lacks them) off sys.path
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target "$SITE" . || exit 1
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target "$SITE" . || exit 1
 export PYTHONPATH="$SITE" PYTHONUNBUFFERED=1
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
@@ -73,7 +74,7 @@ for step in $STEPS; do
     generate) bench gpu_generate 130 ;;
     pipeline) bench gpu_pipeline_check 90 ;;
     probe) bench gpu_gloo_probe 40 ;;
-    serve) bench gpu_serve 260 ;;
+    serve) bench gpu_serve ${SERVE_LIMIT_S:-260} ;;
     # the kernel benchmark took 115 s on an H200 (2026-12-04); on its limit it prints what it measured (SIGTERM)
     kernels) bench kernels 170 ;;
     # the memory benchmark where a step is bound by compute (a cap at 16k tokens), with the curve

@@ -69,6 +69,6 @@ def init_distributed(timeout_s: float, backend: str = "gloo", device: torch.devi
     if not dist.is_initialized():
         if "nccl" in backend:
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-        device_id = device if device is not None and device.type == "cuda" else None
+        device_id = device if device is not None and device.type == "cuda" and "nccl" in backend else None
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), device_id=device_id)
     return dist.get_rank(), dist.get_world_size()
