@@ -104,3 +104,23 @@ def test_device_errors_leave_nothing_behind(tmp_path: Path, args: list[str], mes
     assert res.returncode == 2, res.stderr
     assert message in res.stderr and "Traceback" not in res.stderr
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(("backend", "bound"), [("gloo", False), ("cpu:gloo,cuda:nccl", True)])
+def test_only_nccl_groups_are_bound_to_the_gpu(monkeypatch: pytest.MonkeyPatch, backend: str, bound: bool) -> None:
+    """A GPU-bound default group makes new_group split it, which gloo cannot (the shared-GPU run on
+    the H200 failed so at its first new_group)."""
+    import torch.distributed as dist
+
+    from mmpipe.runtime import mesh
+
+    seen: dict[str, object] = {}
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: seen.update(backend=backend, **kw))
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    assert mesh.init_distributed(30.0, backend, torch.device("cuda", 0)) == (0, 2)
+    assert seen["backend"] == backend
+    assert (seen["device_id"] == torch.device("cuda", 0)) is bound
+    assert (os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING") == "1") is bound
