@@ -127,6 +127,10 @@ class TrainConfig:
     threads: int = 0  # torch intra-op threads per rank; 0: the machine's cores / launch.nproc
     progress: bool = True
     schedule: Literal["1f1b", "gpipe"] = "1f1b"
+    # a non-finite loss or gradient: stop (error naming step, stage and tensor; the last good
+    # checkpoint stays) or skip the step's update (counted), stopping after max_skipped in a row
+    nonfinite: Literal["stop", "skip"] = "stop"
+    max_skipped: int = 3
 
     def __post_init__(self) -> None:
         _positive("train", self, "steps", "batch_size", "micro_batches", "lr", "log_every", "val_every", "ckpt_every")
@@ -136,6 +140,7 @@ class TrainConfig:
             )
         if self.warmup_steps < 0 or self.grad_clip < 0 or self.weight_decay < 0 or self.threads < 0:
             raise ValueError("train.warmup_steps, grad_clip, weight_decay and threads must be >= 0")
+        _positive("train", self, "max_skipped")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -309,6 +314,8 @@ class ServeConfig:
     run_dir: str | None = None  # events, memory samples and the config; None: runs/serve-<timestamp>
     host: str = "127.0.0.1"
     port: int = 8000  # 0: any free port
+    # clients must send "Authorization: Bearer <api_key>" (None: $MMPIPE_API_KEY, else no authentication)
+    api_key: str | None = None
     # stage -> groups; None: the device's default (CPU: text on group 0, DiT and VAE on groups 0 and 1;
     # CUDA: one group per GPU running every stage)
     placement: dict[str, Any] | None = None
