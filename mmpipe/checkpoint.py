@@ -3,13 +3,18 @@
 Layout: ``RUN_DIR/checkpoints/step_00000100/`` (one DCP directory for all ranks: each rank writes
 the model, optimizer and lr-schedule state of the trainable stages it holds, FSDP2 shards
 included) and ``RUN_DIR/checkpoints/latest`` (the newest complete one). A checkpoint is written
-under a temporary name and renamed when every rank is done, so a run killed mid-save resumes from
-the previous one. Data position and noise are functions of the step (``mmpipe.train``), so the
-step is the whole data and RNG state.
+under a temporary name (``step_N.tmp``), its files fsynced by every rank, renamed when every rank
+is done, and only then does the marker move: written to ``latest.tmp``, fsynced, renamed over
+``latest`` (atomic on POSIX), and the directory fsynced, so a crash or power loss at any point
+leaves ``latest`` naming a complete checkpoint. A run killed mid-save resumes from the previous
+one; its leftover ``*.tmp`` are removed when the next run starts (:func:`remove_stale`). Data
+position and noise are functions of the step (``mmpipe.train``), so the step is the whole data
+and RNG state.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import warnings
 from collections.abc import Mapping
@@ -36,6 +41,46 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
         return None
     path = checkpoint_root(run_dir) / marker.read_text().strip()
     return path if path.is_dir() else None
+
+
+def remove_stale(run_dir: Path) -> list[Path]:
+    """Remove what a killed save left behind (``step_N.tmp`` folders, ``latest.tmp``); returns them.
+    Call before any rank saves again (at the start of a run or a restart)."""
+    root = checkpoint_root(run_dir)
+    stale = sorted(root.glob("*.tmp")) if root.is_dir() else []
+    for path in stale:
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    return stale
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file's or a directory's entries to stable storage."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    """fsync every file under ``root``, then the folders (their entries: the files' names)."""
+    for path in sorted(root.rglob("*"), key=lambda p: -len(p.parts)):
+        _fsync(path)
+    _fsync(root)
+
+
+def _publish(root: Path, name: str) -> None:
+    """Point ``root/latest`` at ``name`` atomically and durably."""
+    tmp = root / "latest.tmp"
+    with tmp.open("w") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, root / "latest")
+    _fsync(root)
 
 
 def _stage_state(module: nn.Module, optim: StageOptim | None) -> dict[str, Any]:
@@ -67,11 +112,13 @@ def save_checkpoint(
     with warnings.catch_warnings():  # single-process runs have no process group, by design
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.save(state, checkpoint_id=tmp)
+    _fsync_tree(tmp)  # every rank: the files it wrote are on disk before anyone publishes them
     _barrier()
     if _is_writer():
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
-        (checkpoint_root(run_dir) / "latest").write_text(final.name + "\n")
+        _fsync(final.parent)
+        _publish(final.parent, final.name)
     _barrier()
     return final
 

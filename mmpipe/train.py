@@ -8,11 +8,14 @@ single-process run exactly.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
 import logging
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -27,7 +30,7 @@ from torch.utils.data import Subset
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
-from mmpipe.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from mmpipe.checkpoint import latest_checkpoint, load_checkpoint, remove_stale, save_checkpoint
 from mmpipe.config import DataConfig, ModelConfig, RunConfig, StageParallelConfig, from_dict, to_dict
 from mmpipe.data import FolderVideoDataset, MovingShapesDataset, caption_vocabulary
 from mmpipe.devices import Backend, DeviceType, Precision, rank_device, resolve_backend, resolve_device
@@ -485,25 +488,42 @@ class TrainResult:
     last_val_loss: float
 
 
-def prepare_run(cfg: RunConfig) -> tuple[Path, Graph]:
-    """Check the run directory, write its config and tiny pipeline, build the graph; before any worker starts."""
+def prepare_run(cfg: RunConfig) -> tuple[Path, Graph, RunConfig]:
+    """Check everything the config and the model's config decide (run directory, placement, head,
+    block and frame counts, memory policies), then write the run directory: its config and, for the
+    tiny preset, its random-weight pipeline. Returns the run directory, the graph over it and the
+    config with ``placement=auto`` resolved. A refused config leaves nothing behind; before any
+    worker starts."""
     run_dir = resolve_run_dir(cfg)
     if cfg.train.resume:
         check_resume_compatible(load_run_config(run_dir), cfg)
-    train_set, _ = build_datasets(cfg.data)
-    graph = None
-    if cfg.model.path is not None:  # the user's weights load before anything is written
-        with loading_errors(f"model.path={cfg.model.path!r}"):
-            graph = build_training_graph(cfg.model, Path(cfg.model.path))
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / CONFIG_FILE).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    if graph is None:  # the tiny preset: its random-weight pipeline lives in the run directory
+    with _staged_pipeline(cfg, run_dir) as staged:
+        with loading_errors(f"model.path={cfg.model.path!r}") if cfg.model.path else contextlib.nullcontext():
+            graph = build_training_graph(cfg.model, staged)
+        if cfg.placement == "auto":
+            cfg = dataclasses.replace(cfg, placement=auto_placement(graph, cfg))
+        make_plans(graph, cfg)  # the checks that need the model's config
+        run_dir.mkdir(parents=True, exist_ok=True)
+        remove_stale(run_dir)  # what a save killed in an earlier attempt left
+        (run_dir / CONFIG_FILE).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         pipe_dir = pipeline_dir(cfg.model, run_dir)
-        if not (pipe_dir / "model_index.json").is_file():
-            save = save_tiny_u2g_pipeline if cfg.model.kind == "u2g" else save_tiny_wan_pipeline
-            save(cfg.model, vocabulary(train_set), pipe_dir, seed=cfg.train.seed)
-        graph = build_training_graph(cfg.model, pipe_dir)
-    return run_dir, graph
+        if staged != pipe_dir:  # the tiny preset, built in a temporary folder: now the run's
+            shutil.move(staged, pipe_dir)
+    return run_dir, build_training_graph(cfg.model, pipe_dir), cfg
+
+
+@contextlib.contextmanager
+def _staged_pipeline(cfg: RunConfig, run_dir: Path) -> Iterator[Path]:
+    """The pipeline directory to check the config against: ``model.path``, the run's own (resumed),
+    or the tiny preset saved into a temporary folder that is removed unless it was moved."""
+    existing = pipeline_dir(cfg.model, run_dir)
+    if cfg.model.path is not None or (existing / "model_index.json").is_file():
+        yield existing
+        return
+    train_set, _ = build_datasets(cfg.data)
+    with tempfile.TemporaryDirectory(prefix="mmpipe-pipeline-") as tmp:
+        save = save_tiny_u2g_pipeline if cfg.model.kind == "u2g" else save_tiny_wan_pipeline
+        yield save(cfg.model, vocabulary(train_set), Path(tmp) / "pipeline", seed=cfg.train.seed)
 
 
 def train(cfg: RunConfig) -> TrainResult:
@@ -520,11 +540,8 @@ def train(cfg: RunConfig) -> TrainResult:
     choice = kernel_choice(cfg)  # an unavailable kernel is an error before anything is written
     if "triton" in dataclasses.astuple(choice) and run_devices(cfg).device is DeviceType.CPU:
         logger.warning("model.kernels: the Triton kernels run in Triton's CPU interpreter here (tests only: very slow)")
-    run_dir, graph = prepare_run(cfg)
-    if cfg.placement == "auto":
-        cfg = dataclasses.replace(cfg, placement=auto_placement(graph, cfg))
-        (run_dir / CONFIG_FILE).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    train_plan, _ = make_plans(graph, cfg)  # validated here, before any worker starts
+    run_dir, graph, cfg = prepare_run(cfg)
+    train_plan, _ = make_plans(graph, cfg)
     cfg = dataclasses.replace(cfg, run_dir=str(run_dir))
     if cfg.launch.nproc == 1:
         result = run_rank(cfg, graph, rank=0, world_size=1)

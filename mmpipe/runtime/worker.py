@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from mmpipe.config import RunConfig, from_dict
+from mmpipe.config import RunConfig, from_dict, to_dict
 
 
 def run(raw: dict[str, Any], env: dict[str, str] | None = None) -> None:
@@ -72,7 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     devices = run_devices(cfg, local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     init_distributed(cfg.launch.timeout_s, devices.backend.name, devices.rank_device())
     torch.distributed.barrier()
-    run(raw)
+    from mmpipe.train import load_run_config
+
+    run(to_dict(load_run_config(Path(cfg.run_dir))))  # as rank 0 wrote it: placement=auto resolved
     return 0
 
 

@@ -77,6 +77,19 @@ def test_qwen_text_encoder_preset_trains(tmp_path: Path) -> None:
         (["generate", "ckpt=/nope"], "ckpt='/nope' is not a run directory"),
         (["fly"], "unknown command 'fly'"),
         (["train", "steps"], "override 'steps' is not key=value"),
+        # checks that need the model's config (head and block counts) run before the run directory exists
+        (["train", "launch.nproc=4", "parallel.dit.ulysses=3"], "ulysses=3"),
+        (["train", "memory.dit.blocks=[keep]"], "memory.dit.blocks names 1 policies"),
+        (
+            [
+                "train",
+                "data.frames=5",
+                "launch.nproc=4",
+                "placement={text:[0],vae:[0],dit:[0,1,2,3]}",
+                "parallel.dit.ulysses=4",
+            ],
+            "gives 2 latent frames",
+        ),
     ],
 )
 def test_bad_input_is_rejected_before_any_work(tmp_path: Path, args: list[str], message: str) -> None:

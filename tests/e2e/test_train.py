@@ -98,3 +98,48 @@ def test_bf16_autocast_trains(tmp_path: Path) -> None:
     losses = [r["loss"] for r in read_metrics(result.run_dir)[1:]]
     assert len(losses) == 2 and all(np.isfinite(losses))
     assert np.isfinite(result.last_val_loss)
+
+
+def test_a_save_killed_between_files_resumes_from_the_previous_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fault injection: the save of step 4 dies after DCP wrote its files and before they are
+    synced and published. ``latest`` still names step 2; the next run removes the leftover
+    ``step_00000004.tmp`` and ends bitwise where an uninterrupted run ends."""
+    import mmpipe.checkpoint as ckpt
+
+    full = train(small_run(tmp_path / "full", steps=6, ckpt_every=2))
+    real = ckpt._fsync_tree
+
+    def dies_at_step_4(root: Path) -> None:
+        if root.name == "step_00000004.tmp":
+            assert any(root.iterdir())  # DCP has written files: the crash is between files and marker
+            raise OSError("injected fault: the process died mid-save")
+        real(root)
+
+    monkeypatch.setattr(ckpt, "_fsync_tree", dies_at_step_4)
+    with pytest.raises(OSError, match="injected fault"):
+        train(small_run(tmp_path / "part", steps=6, ckpt_every=2))
+    root = tmp_path / "part" / "checkpoints"
+    assert (root / "latest").read_text().strip() == "step_00000002"
+    assert (root / "step_00000004.tmp").is_dir() and not (root / "step_00000004").exists()
+    monkeypatch.setattr(ckpt, "_fsync_tree", real)
+    resumed = train(small_run(tmp_path / "part", steps=6, ckpt_every=2, resume=True))
+    assert not list(root.glob("*.tmp"))  # the stale folder went at the start
+    pa, pb = dit_params(full.run_dir), dit_params(resumed.run_dir)
+    for k in pa:
+        assert torch.equal(pa[k], pb[k]), k
+
+
+def test_the_marker_moves_atomically(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``latest`` is replaced by a rename of a synced temporary file, never rewritten in place."""
+    import os
+
+    import mmpipe.checkpoint as ckpt
+
+    replaced: list[tuple[str, str]] = []
+    real = os.replace
+    monkeypatch.setattr(ckpt.os, "replace", lambda a, b: (replaced.append((Path(a).name, Path(b).name)), real(a, b)))
+    train(small_run(tmp_path / "run", steps=2, ckpt_every=1))
+    assert replaced == [("latest.tmp", "latest")] * 2
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == "step_00000002\n"

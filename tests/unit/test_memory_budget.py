@@ -119,7 +119,7 @@ def test_memory_auto_in_a_run_config_sets_the_plans_fractions(tmp_path) -> None:
     from mmpipe.sched.plan import PlanError
     from mmpipe.train import make_plans, prepare_run
 
-    _, graph = prepare_run(_run_config(tmp_path, 1.0))
+    _, graph, _ = prepare_run(_run_config(tmp_path, 1.0))
     roomy, _ = make_plans(graph, _run_config(tmp_path, 1.0))
     assert roomy.groups["dit"].recompute == roomy.groups["dit"].offload == 0  # everything fits: keep
     # ~0.07 GiB of parameters, gradients and Adam moments plus ~0.02 GiB of activations

@@ -28,7 +28,7 @@ def cuda_run(run_dir: Path, **train_kw: object) -> RunConfig:
 
 def test_stages_live_on_the_gpu_in_bf16_with_fp32_masters(tmp_path: Path) -> None:
     cfg = cuda_run(tmp_path / "run")
-    _, graph = prepare_run(cfg)
+    _, graph, cfg = prepare_run(cfg)
     assert isinstance(graph, Graph)
     loop = start_rank(cfg, graph, rank=0, world_size=1)
     mods = loop.executor.modules
