@@ -173,11 +173,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"mmpipe {command}: error: {_first_line(err)}", file=sys.stderr)
         return 2
     except RuntimeError as err:
-        from mmpipe.runtime.executor import ExecutionError
+        from mmpipe.runtime.executor import ExecutionError, NonFiniteError
         from mmpipe.runtime.launch import WorkerFailure
         from mmpipe.serve.engine import ServeStartError
 
-        if not isinstance(err, WorkerFailure | ExecutionError | ServeStartError):
+        if not isinstance(err, WorkerFailure | ExecutionError | NonFiniteError | ServeStartError):
             raise
         print(f"mmpipe {command}: {err}", file=sys.stderr)
         return 1

@@ -47,7 +47,7 @@ from mmpipe.pipelines import (
 from mmpipe.presets import VISION_IMAGE_SIZE, save_tiny_u2g_pipeline, save_tiny_wan_pipeline
 from mmpipe.report.recording import RankRecording, write_chrome_trace
 from mmpipe.runtime.events import EventRecorder
-from mmpipe.runtime.executor import Executor, OptionsFn, StageOptim
+from mmpipe.runtime.executor import Executor, NonFiniteError, OptionsFn, StageOptim
 from mmpipe.runtime.mesh import MeshOwner
 from mmpipe.sched.plan import ActionKind, DeviceGroup, Plan, PlanError, parse_placement
 from mmpipe.sched.schedule import ScheduleKind, build_plan
@@ -591,13 +591,14 @@ class TrainLoop:
         val_mbs = list(micro_batches(val_set, list(range(n_val)), n_val // self.micro_size, self.collate))
         self.val_batches = val_mbs
         self.trainable = sorted(self.train_plan.trainable)
+        self.skipped_in_a_row = self.skipped_total = 0
 
     def _optim(self, stage: str) -> StageOptim:
         tc = self.cfg.train
         params = [p for p in self.executor.modules[stage].parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / (tc.warmup_steps + 1)))
-        return StageOptim(opt, sched, tc.grad_clip)
+        return StageOptim(opt, sched, tc.grad_clip, skip_nonfinite=tc.nonfinite == "skip")
 
     def options(self, step: int) -> OptionsFn:
         seed = self.cfg.train.seed
@@ -625,7 +626,7 @@ class TrainLoop:
         self.events.step, self.events.phase = step + 1, "train"
         reporting = self.rank in self.mesh.metrics_ranks
         actions = self.train_plan.actions[self.rank]
-        out = self.executor.run(actions, self.batch_fn(step), self.options(step), flush=reporting)
+        out = self.executor.run(actions, self.batch_fn(step), self.options(step), flush=reporting, step=step)
         if not reporting:
             return None
         group = self.mesh.metrics_group
@@ -636,16 +637,32 @@ class TrainLoop:
             for s, own in zip(self.trainable, owned, strict=True)
         ]
         spilled = float(self.executor.spill.stats.offloaded_bytes) if self.executor.spill is not None else 0.0
-        vec = self.reduce(torch.tensor([spilled, *norms, *lrs], dtype=torch.float64), group)
+        skipped = float(len(out["skipped"]))
+        vec = self.reduce(torch.tensor([spilled, skipped, *norms, *lrs], dtype=torch.float64), group)
         loss = self.reduce(out["loss"].reshape(1).cpu(), group)  # float32, summed exactly as a single rank would
         record: dict[str, Any] = {"step": step + 1, "loss": loss.item()}
         if vec[0] > 0:  # activations offloaded so far (all ranks), by the file tier
             record["offloaded_bytes"] = int(vec[0])
+        self._count_skipped(step, int(vec[1]), record)
         k = len(self.trainable)
-        for s, norm, lr in zip(self.trainable, vec[1 : 1 + k].tolist(), vec[1 + k :].tolist(), strict=True):
+        for s, norm, lr in zip(self.trainable, vec[2 : 2 + k].tolist(), vec[2 + k :].tolist(), strict=True):
             suffix = "" if k == 1 else f"/{s}"
             record[f"grad_norm{suffix}"], record[f"lr{suffix}"] = norm, lr
         return record
+
+    def _count_skipped(self, step: int, skipped: int, record: dict[str, Any]) -> None:
+        """``train.nonfinite=skip``: count the step's dropped updates; stop after ``max_skipped`` in a row."""
+        self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped else 0
+        if not skipped:
+            return
+        self.skipped_total += 1
+        record["skipped_updates"], record["skipped_steps"] = skipped, self.skipped_total
+        logger.warning("step %d: non-finite gradients, %d stage update(s) skipped", step + 1, skipped)
+        if self.skipped_in_a_row >= self.cfg.train.max_skipped:
+            raise NonFiniteError(
+                f"training step {step + 1}: {self.skipped_in_a_row} steps in a row had non-finite gradients "
+                f"(train.max_skipped={self.cfg.train.max_skipped}); the last checkpoint is the last good state"
+            )
 
     def _owns_norm(self, stage: str) -> bool:
         return self.train_plan.groups[stage].ranks[0] == self.rank

@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import math
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -48,6 +49,10 @@ class ExecutionError(RuntimeError):
     """An action failed at run time; the message carries this rank's plan table."""
 
 
+class NonFiniteError(RuntimeError):
+    """A trained stage's loss or gradient is NaN or infinite (``train.nonfinite=stop``)."""
+
+
 @dataclasses.dataclass
 class StageOptim:
     """The optimizer side of one trainable stage on this rank."""
@@ -55,6 +60,8 @@ class StageOptim:
     optimizer: torch.optim.Optimizer
     lr_scheduler: torch.optim.lr_scheduler.LRScheduler
     grad_clip: float
+    # a non-finite gradient norm: raise NonFiniteError, or skip the update (no optimizer or lr step)
+    skip_nonfinite: bool = False
 
 
 class Executor:
@@ -219,13 +226,21 @@ class Executor:
 
     # ---- one pass over an action list -------------------------------------------------------------
     def run(
-        self, actions: tuple[Action, ...], batch_fn: BatchFn, options_fn: OptionsFn, *, flush: bool = True
+        self,
+        actions: tuple[Action, ...],
+        batch_fn: BatchFn,
+        options_fn: OptionsFn,
+        *,
+        flush: bool = True,
+        step: int | None = None,
     ) -> dict[str, Any]:
-        """Interpret ``actions``; returns ``{"loss": weighted local loss sum, "grad_norm": {stage: norm}}``.
+        """Interpret ``actions``; returns ``{"loss": weighted local loss sum, "grad_norm": {stage: norm},
+        "skipped": [stages whose non-finite update was skipped]}``.
 
-        ``flush=False`` returns with sends still in flight (bounded by ``max_inflight_sends``).
+        ``flush=False`` returns with sends still in flight (bounded by ``max_inflight_sends``);
+        ``step``: the training step, named by a non-finite error.
         """
-        state = _StepState(loss=torch.zeros((), device=self.device))
+        state = _StepState(loss=torch.zeros((), device=self.device), step=step)
         for a in actions:  # the pass's last backward of each stage reduces its gradients
             if a.kind == ActionKind.B:
                 state.last_backward[a.stage] = _mb(a)
@@ -258,7 +273,7 @@ class Executor:
                 module.reshard()
         if flush:
             self.flush()
-        return {"loss": state.loss, "grad_norm": state.grad_norms}
+        return {"loss": state.loss, "grad_norm": state.grad_norms, "skipped": state.skipped}
 
     def _dispatch(self, a: Action, st: _StepState, batch_fn: BatchFn, options_fn: OptionsFn) -> int:
         match a.kind:
@@ -275,7 +290,7 @@ class Executor:
             case ActionKind.RECV_GRAD:
                 return self._recv(a, st, grad=True)
             case ActionKind.STEP:
-                st.grad_norms[a.stage] = self._step(a.stage)
+                st.grad_norms[a.stage] = self._step(a.stage, st)
         return 0
 
     # ---- compute --------------------------------------------------------------------------------
@@ -388,16 +403,35 @@ class Executor:
         value = grad if peer != self.rank else need.extract(grad, piece)
         held.add_into(buf[e.src_port], piece, value, accumulate=True)
 
-    def _step(self, stage: str) -> float:
+    def _step(self, stage: str, st: _StepState) -> float:
         opt = self.optimizers[stage]
         params = [p for p in self.modules[stage].parameters() if p.requires_grad]
         norm = torch.nn.utils.clip_grad_norm_(params, opt.grad_clip or float("inf"))
         if hasattr(norm, "full_tensor"):  # DTensor under FSDP2: the norm over the whole group
             norm = norm.full_tensor()
+        value = float(norm)  # the group's norm: every rank of an FSDP group decides alike
+        if not math.isfinite(value):
+            if not opt.skip_nonfinite:
+                raise NonFiniteError(self._nonfinite_message(stage, st))
+            opt.optimizer.zero_grad(set_to_none=True)  # the update is dropped; the lr schedule waits too
+            st.skipped.append(stage)
+            return value
         opt.optimizer.step()
         opt.optimizer.zero_grad(set_to_none=True)
         opt.lr_scheduler.step()
-        return float(norm)
+        return value
+
+    def _nonfinite_message(self, stage: str, st: _StepState) -> str:
+        """Which tensor went non-finite first: the stage's loss, else its first parameter's gradient."""
+        where = f"training step {st.step + 1}: " if st.step is not None else ""
+        if not bool(torch.isfinite(st.loss)):
+            return f"{where}stage {stage!r}: the loss is {st.loss.item()} (train.nonfinite=stop)"
+        for name, p in self.modules[stage].named_parameters():
+            grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            if grad is not None and not bool(torch.isfinite(grad).all()):
+                kind = "NaN" if bool(torch.isnan(grad).any()) else "infinite"
+                return f"{where}stage {stage!r}: the gradient of {name} is {kind} (train.nonfinite=stop)"
+        return f"{where}stage {stage!r}: the gradient norm is non-finite on another rank (train.nonfinite=stop)"
 
     # ---- transfers ------------------------------------------------------------------------------
     def _edge_ports(self, src: str, dst: str, *, grad: bool = False) -> list[Edge]:
@@ -528,6 +562,8 @@ class _StepState:
     loss: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros(()))
     grad_norms: dict[str, float] = dataclasses.field(default_factory=dict)
     last_backward: dict[str, int] = dataclasses.field(default_factory=dict)
+    step: int | None = None  # the training step (for errors)
+    skipped: list[str] = dataclasses.field(default_factory=list)  # stages whose update was dropped
 
     def batch(self, mb: int, batch_fn: BatchFn) -> dict[str, torch.Tensor]:
         if mb not in self.batches:
