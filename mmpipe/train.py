@@ -703,7 +703,17 @@ def start_rank(cfg: RunConfig, graph: Graph, *, rank: int, world_size: int) -> T
 
 
 def run_rank(cfg: RunConfig, graph: Graph, *, rank: int, world_size: int) -> TrainResult:
-    """The training loop of one rank (all ranks run it; rank 0 logs and shows progress)."""
+    """The training loop of one rank (all ranks run it; rank 0 logs and shows progress); the
+    process's torch threads and kernel choice are as before when it returns (``train`` in-process)."""
+    threads, choice = torch.get_num_threads(), kernels.chosen()
+    try:
+        return _run_rank(cfg, graph, rank=rank, world_size=world_size)
+    finally:
+        torch.set_num_threads(threads)
+        kernels.configure(choice)
+
+
+def _run_rank(cfg: RunConfig, graph: Graph, *, rank: int, world_size: int) -> TrainResult:
     tc = cfg.train
     loop = start_rank(cfg, graph, rank=rank, world_size=world_size)
     run_dir, lead = loop.run_dir, loop.lead

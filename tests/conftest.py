@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 # The kernel tests run Triton's interpreter on CPU tensors on every machine: `import mmpipe` turns it
@@ -18,6 +19,58 @@ import pytest
 from mmpipe.config import ModelConfig
 from mmpipe.data import caption_vocabulary
 from mmpipe.presets import save_tiny_wan_pipeline
+
+
+def _process_state() -> dict[str, object]:
+    """What one test must leave as it found it: tests pass alone, in any order, shuffled."""
+    import torch
+
+    from mmpipe.kernels import registry
+
+    return {
+        "torch threads": torch.get_num_threads(),
+        "environment": {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"},  # pytest's own
+        "kernel choice": registry.chosen(),
+        "default dtype": torch.get_default_dtype(),
+        "grad mode": torch.is_grad_enabled(),
+        "deterministic algorithms": torch.are_deterministic_algorithms_enabled(),
+    }
+
+
+def _restore(state: dict[str, object]) -> None:
+    import torch
+
+    from mmpipe.kernels import registry
+
+    torch.set_num_threads(state["torch threads"])  # type: ignore[arg-type]
+    current = os.environ.get("PYTEST_CURRENT_TEST")
+    os.environ.clear()
+    os.environ.update(state["environment"])  # type: ignore[arg-type]
+    if current is not None:
+        os.environ["PYTEST_CURRENT_TEST"] = current
+    registry.configure(state["kernel choice"])  # type: ignore[arg-type]
+    torch.set_default_dtype(state["default dtype"])  # type: ignore[arg-type]
+    torch.set_grad_enabled(state["grad mode"])  # type: ignore[arg-type]
+    torch.use_deterministic_algorithms(state["deterministic algorithms"])  # type: ignore[arg-type]
+
+
+@pytest.fixture(autouse=True)
+def _process_state_is_restored() -> Iterator[None]:
+    """Fail a test that changes process-wide state (threads, environment, the kernel registry, torch
+    modes) without restoring it, and restore it so that the next test starts clean."""
+    before = _process_state()
+    yield
+    after = _process_state()
+    if after != before:
+        _restore(before)
+        changed = {k: _changed(before[k], after[k]) for k in before if before[k] != after[k]}
+        pytest.fail(f"the test left process-wide state changed: {changed}")
+
+
+def _changed(old: object, new: object) -> object:
+    if isinstance(old, dict) and isinstance(new, dict):
+        return {k: (old.get(k), new.get(k)) for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)}
+    return (old, new)
 
 
 @pytest.fixture(scope="session")

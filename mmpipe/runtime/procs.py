@@ -23,24 +23,32 @@ from typing import Final
 START_METHOD: Final = "forkserver"
 # Imported once by the server: everything a worker needs (torch, diffusers, transformers).
 PRELOAD = ("mmpipe.runtime.worker", "mmpipe.train", "mmpipe.serve.engine")
+_NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
 
 
 def context() -> ForkServerContext:
-    """The multiprocessing context for mmpipe's local workers (the preloading forkserver)."""
-    # Applies when the server starts (the first process this one launches); later calls are no-ops.
-    multiprocessing.set_forkserver_preload(list(PRELOAD))
-    # A library that asks torch.cuda.is_available() while the server preloads it would initialise
-    # the CUDA driver there, and CUDA does not survive a fork: children could not use their GPU.
-    # NVML answers the question without initialising CUDA (torch's documented switch for this).
-    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    """The multiprocessing context for mmpipe's local workers (the preloading forkserver, started)."""
+    start_server()
     return multiprocessing.get_context(START_METHOD)
 
 
 def start_server() -> None:
-    """Start the server now: its imports (seconds) then overlap the caller's own work before the
-    first launch, e.g. the CLI's imports and the run directory's preparation."""
-    context()
-    multiprocessing.forkserver.ensure_running()
+    """Start the server now (a no-op once it runs): its imports (seconds) then overlap the caller's
+    own work before the first launch, e.g. the CLI's imports and the run directory's preparation."""
+    multiprocessing.set_forkserver_preload(list(PRELOAD))
+    # A library that asks torch.cuda.is_available() while the server preloads it would initialise
+    # the CUDA driver there, and CUDA does not survive a fork: children could not use their GPU.
+    # NVML answers the question without initialising CUDA (torch's documented switch for this); set
+    # for the server's start only (it copies the environment then), not left in this process.
+    saved = os.environ.get(_NVML_CHECK)
+    os.environ[_NVML_CHECK] = "1"
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        if saved is None:
+            del os.environ[_NVML_CHECK]
+        else:
+            os.environ[_NVML_CHECK] = saved
 
 
 def environment() -> dict[str, str]:

@@ -119,7 +119,8 @@ def test_only_nccl_groups_are_bound_to_the_gpu(monkeypatch: pytest.MonkeyPatch, 
     monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: seen.update(backend=backend, **kw))
     monkeypatch.setattr(dist, "get_rank", lambda: 0)
     monkeypatch.setattr(dist, "get_world_size", lambda: 2)
-    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")  # recorded, so that the test's setting is undone
+    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING")
     assert mesh.init_distributed(30.0, backend, torch.device("cuda", 0)) == (0, 2)
     assert seen["backend"] == backend
     assert (seen["device_id"] == torch.device("cuda", 0)) is bound
