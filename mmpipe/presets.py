@@ -11,11 +11,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+from torch import nn
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2Model, UMT5Config, UMT5EncoderModel
 
 from mmpipe.config import ModelConfig
@@ -101,7 +102,7 @@ def build_tiny_wan_pipeline(spec: ModelConfig, texts: Sequence[str], *, seed: in
         prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=1000, flow_shift=spec.flow_shift
     )
     for module in (text_encoder, vae, transformer):
-        module.eval()  # as from_pretrained returns them: no dropout in the frozen text encoder
+        cast(nn.Module, module).eval()  # as from_pretrained returns them: no dropout in the text encoder
     return WanPipeline(
         tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler, transformer=transformer
     )
@@ -162,7 +163,7 @@ def build_full_wan_pipeline(
     if missing or spec.kind != "t2v":
         raise ValueError(f"model {spec.name!r}: a full-size Wan pipeline needs a t2v arch preset; missing {missing}")
     text_kw = dict(arch["text"])
-    text_cfg = AutoConfig.for_model(text_kw.pop("model_type"), **text_kw)
+    text_cfg: Any = AutoConfig.for_model(text_kw.pop("model_type"), **text_kw)
     vae_kw = {k: v for k, v in arch["vae"].items() if k != "class"}
     dit_kw = {k: v for k, v in arch["dit"].items() if k != "class"}
     with torch.random.fork_rng(devices=[]), torch.device(device):

@@ -427,7 +427,8 @@ class Executor:
         if not bool(torch.isfinite(st.loss)):
             return f"{where}stage {stage!r}: the loss is {st.loss.item()} (train.nonfinite=stop)"
         for name, p in self.modules[stage].named_parameters():
-            grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            grad: Any = p.grad
+            grad = grad.to_local() if hasattr(grad, "to_local") else grad  # a DTensor shard under FSDP2
             if grad is not None and not bool(torch.isfinite(grad).all()):
                 kind = "NaN" if bool(torch.isnan(grad).any()) else "infinite"
                 return f"{where}stage {stage!r}: the gradient of {name} is {kind} (train.nonfinite=stop)"

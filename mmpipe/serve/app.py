@@ -11,16 +11,24 @@ Endpoints (shapes follow the OpenAI API, so the official ``openai`` client works
 
 Handlers never block the event loop: they poll ``Job.wait(0)`` between short sleeps, and encode
 MP4 / PNG in a worker thread. Every error is OpenAI's ``{"error": {...}}`` JSON.
+
+With an API key (``serve.api_key``, else ``$MMPIPE_API_KEY``), every request but ``/health`` and
+``/metrics`` (probes and scrapers) must carry ``Authorization: Bearer <key>``, as OpenAI's own API
+wants it; others get 401 ``invalid_api_key``, which the ``openai`` client raises as
+``AuthenticationError``. The key is compared in constant time and never logged or echoed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import hmac
 import io
 import math
+import os
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -29,11 +37,12 @@ from fastapi import APIRouter, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from PIL import Image
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from mmpipe.config import ServeConfig
 from mmpipe.data import write_mp4
 from mmpipe.serve.metrics import ServeMetrics
-from mmpipe.serve.protocol import GenerationRequest, Job, JobStatus, QueueFull
+from mmpipe.serve.protocol import WORKER_RESTARTED, GenerationRequest, Job, JobStatus, QueueFull
 from mmpipe.serve.requests import (
     ApiError,
     ImageBody,
@@ -46,6 +55,8 @@ from mmpipe.serve.requests import (
 _POLL_S = 0.02  # how often a synchronous request looks at its jobs (and at its client)
 _POLL_AFTER_MS = "250"  # the openai client's poll helpers wait this long between retrieves
 _TIMEOUT_GRACE_S = 5.0  # the engine fails a job at its timeout; the handler gives up this much later
+API_KEY_ENV = "MMPIPE_API_KEY"  # the key when serve.api_key is unset
+_OPEN_PATHS = frozenset({"/health", "/metrics"})  # answered without a key: load balancers and scrapers send none
 
 
 class ServingEngine(Protocol):
@@ -54,8 +65,9 @@ class ServingEngine(Protocol):
     model_id: str
     cfg: ServeConfig
     metrics: ServeMetrics
-    healthy: bool  # False once a worker group died
-    fatal: str | None  # why
+    healthy: bool  # False while the worker groups restart, and for good once restarts are used up
+    restarting: bool  # the worker groups are restarting (healthy again soon)
+    fatal: str | None  # why it is not healthy
 
     def submit(self, request: GenerationRequest) -> Job: ...
 
@@ -64,9 +76,12 @@ class ServingEngine(Protocol):
     def cancel(self, job_id: str) -> bool: ...
 
 
-def create_app(engine: ServingEngine) -> FastAPI:
-    """The FastAPI application serving ``engine`` (which the caller starts and closes)."""
+def create_app(engine: ServingEngine, *, api_key: str | None = None) -> FastAPI:
+    """The FastAPI application serving ``engine`` (which the caller starts and closes); with
+    ``api_key``, requests other than ``/health`` and ``/metrics`` must carry it as a bearer token."""
     app = FastAPI(title="mmpipe serve", docs_url=None, redoc_url=None, openapi_url=None)
+    if api_key is not None:
+        app.add_middleware(RequireApiKey, api_key=api_key)
     app.state.engine = engine
     app.state.created = int(time.time())
     app.state.deleted = set()  # ids of videos a client deleted: 404 from then on
@@ -74,6 +89,49 @@ def create_app(engine: ServingEngine) -> FastAPI:
     app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
     app.include_router(router)
     return app
+
+
+def resolve_api_key(configured: str | None, env: Mapping[str, str] = os.environ) -> str | None:
+    """The key clients must send: ``serve.api_key``, else ``$MMPIPE_API_KEY`` (empty: unset), else
+    None (no authentication). Read once, when the server starts."""
+    if configured is not None:
+        if not configured.strip():
+            raise ValueError("serve: api_key is empty: give a key, or leave it unset (null) for no authentication")
+        return configured
+    return env.get(API_KEY_ENV) or None
+
+
+class RequireApiKey:
+    """ASGI middleware: 401 in OpenAI's shape unless the request carries ``Authorization: Bearer
+    <key>``; ``/health`` and ``/metrics`` stay open. A plain ASGI middleware, not Starlette's
+    ``BaseHTTPMiddleware``, so that handlers still see their client disconnect."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._key = api_key.encode()  # bytes: compare_digest refuses non-ASCII str, a header may carry any byte
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in _OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        message = self._refusal(dict(scope["headers"]).get(b"authorization"))
+        if message is None:
+            await self.app(scope, receive, send)
+            return
+        error = ApiError(401, message, code="invalid_api_key")
+        response = JSONResponse(error.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        await response(scope, receive, send)
+
+    def _refusal(self, header: bytes | None) -> str | None:
+        """Why a request with this Authorization header is refused, or None when it carries the key."""
+        if header is None:
+            return "no API key given: send it as 'Authorization: Bearer <key>'"
+        scheme, _, token = header.strip().partition(b" ")
+        if scheme.lower() != b"bearer":
+            return "the Authorization header is not 'Bearer <key>'"
+        if not hmac.compare_digest(token.strip(), self._key):
+            return "incorrect API key"  # never echo what was sent, nor the key
+        return None
 
 
 router = APIRouter()
@@ -162,11 +220,13 @@ async def retrieve_model(model_id: str, request: Request) -> JSONResponse:
 
 @router.get("/health")
 async def health(request: Request) -> JSONResponse:
-    """200 while every worker group is alive, else 503 with the reason."""
+    """200 while every worker group is alive, else 503 with the reason (``restarting`` while the
+    engine restarts its groups, ``unhealthy`` when it has given up)."""
     engine = _engine(request)
     if engine.healthy:
         return JSONResponse({"status": "ok"})
-    return JSONResponse({"status": "unhealthy", "error": engine.fatal}, status_code=503)
+    status = "restarting" if engine.restarting else "unhealthy"
+    return JSONResponse({"status": status, "error": engine.fatal}, status_code=503)
 
 
 @router.get("/metrics")
@@ -284,12 +344,14 @@ def _completed_frames(job: Job) -> np.ndarray:
         return job.frames
     if job.status is JobStatus.CANCELLED:
         raise ApiError(503, "the request was cancelled by the server", code="cancelled", kind="server_error")
+    if job.error_code == WORKER_RESTARTED:  # nothing wrong with the request: retrying it may work
+        raise ApiError(503, f"generation failed: {job.error}", code=WORKER_RESTARTED, kind="server_error")
     raise ApiError(500, f"generation failed: {job.error}", code="generation_failed", kind="server_error")
 
 
 def _job_error(job: Job) -> dict[str, str] | None:
     if job.status is JobStatus.FAILED:
-        return {"code": "generation_failed", "message": job.error or "failed"}
+        return {"code": job.error_code or "generation_failed", "message": job.error or "failed"}
     if job.status is JobStatus.CANCELLED:
         return {"code": "cancelled", "message": job.error or "cancelled"}
     return None

@@ -1,63 +1,125 @@
 """Row-exact batching: a batched forward whose every row is bitwise the row computed alone.
 
 Batching requests must not change their outputs: the same seed gives the same video whether a
-request ran alone (``graph.generate``) or with others. Most of a DiT is row-independent in exact
-arithmetic, but two kinds of kernels pick a different reduction order by batch size (measured
-with torch 2.13 on x86 CPUs): convolutions (oneDNN chooses its algorithm by shape) and GEMMs with
-a handful of rows (BLAS takes a small-M path below ~16 rows). :func:`make_row_exact` runs exactly
-those per sample, so every kernel sees the shapes it sees at batch size one, and the big GEMMs and
-attention (row-exact at every batch size measured) keep the batch. A test checks the property on
-the serving stages.
+request ran alone (``graph.generate``) or with others. A DiT's rows are independent in exact
+arithmetic, but not in floating point, because the kernels choose *how* to compute by the shape
+of the whole batch and the thread count (measured with torch 2.13 on x86 CPUs):
+
+* GEMMs: BLAS picks its kernel and splits the rows among threads by row count and thread count
+  (a 5-row GEMM gives other bits alone than inside a 30-row one at 2 threads), and MKL's code
+  path may depend on the inputs' memory alignment;
+* convolutions: oneDNN chooses its algorithm by shape;
+* elementwise activations (GELU, SiLU): ATen computes each thread's chunk of the flattened tensor
+  with vector instructions and its last ``numel % (2 * vector width)`` elements with the scalar
+  formula, which differs from the vector one in the last bits; which elements fall in a tail
+  depends on the batch's total size and the thread count;
+* attention: the CPU flash kernel splits work over batch x heads x query blocks, and a gemm
+  inside it runs multi-threaded or not depending on whether that split gave more than one item.
+
+So no list of "row-invariant" kernels survives another CPU, thread count or shape. The mechanism
+instead runs every row exactly as it runs alone: on CPU :func:`make_row_exact` makes the module's
+forward split a batch into samples and call the original forward once per sample, on a fresh
+contiguous copy of each sample's inputs (a new allocation, 64-byte aligned by torch's CPU
+allocator: the same values, shape, strides and alignment a caller's batch-of-one tensor has), then
+concatenates the outputs. A batch of one whose inputs are contiguous and 64-byte aligned (as
+every freshly computed tensor is) goes to the original forward untouched; other inputs are
+copied the same way. Every kernel then sees, for row ``i`` of a batch, the very call it sees when
+the row runs alone, hence returns the same bits. The guarantee:
+
+    on CPU, for a module whose rows do not interact (a DiT in inference: no batch statistics),
+    row ``i`` of ``module(batch)`` is bitwise ``module(row i)`` at the same torch thread count,
+    on any CPU and at any thread count, for any batch it is in.
+
+It rests only on kernels being deterministic for identical inputs at a fixed thread count (ATen's
+static OpenMP partitioning; MKL without ``MKL_CBWR`` given 64-byte aligned inputs), not on which
+kernel a CPU picks. It does *not* make outputs equal across thread counts: a 2-thread GEMM may
+differ from a 1-thread one, batched or not. The price is the batching speed-up itself: a batch
+costs what its rows cost one after another (on CPU, at the serving sizes, GEMMs of a DiT's
+tokens per sample are already large; ``benchmarks/serve.py`` measures the whole engine).
+
+On CUDA (and other devices) the batched forward runs unchanged: there, batching is the throughput,
+and bf16 kernels chosen per batch size keep a row close to, not bitwise, its row alone
+(``tests/serve/test_engine_cuda.py`` bounds the difference).
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-SMALL_M = 16  # GEMMs with fewer rows per sample than this run per sample
+# torch's CPU allocator aligns every allocation to 64 bytes (c10 ``gAlignment``), the width of an
+# AVX-512 register and of a cache line: the most a kernel's code path can see of an address.
+ALIGNMENT = 64
+_MARK = "_row_exact_forward"
 
 
-def _per_sample(forward: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    return torch.cat([forward(x[i : i + 1], *args, **kwargs) for i in range(x.shape[0])])
+def _is_alone(t: torch.Tensor) -> bool:
+    """Whether ``t`` looks, to a kernel, like a fresh allocation: contiguous and 64-byte aligned."""
+    return t.is_contiguous() and t.data_ptr() % ALIGNMENT == 0
 
 
-class _RowExactConv(nn.Module):
-    def __init__(self, inner: nn.Module) -> None:
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if x.shape[0] == 1:
-            return self.inner(x, *args, **kwargs)
-        return _per_sample(self.inner, x, *args, **kwargs)
-
-
-class _RowExactLinear(nn.Module):
-    def __init__(self, inner: nn.Linear) -> None:
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows_per_sample = x[0].numel() // x.shape[-1] if x.dim() > 1 else x.numel()
-        if x.dim() < 2 or x.shape[0] == 1 or rows_per_sample >= SMALL_M:
-            return self.inner(x)
-        return _per_sample(self.inner, x)
+def _as_alone(value: Any, rows: slice | None, batch: int) -> Any:
+    """``value`` as a batch-of-one caller would pass it: a batched tensor cut to ``rows`` (all rows
+    when ``None``) and copied into a fresh contiguous allocation unless it already is one; anything
+    else (flags, nested options, tensors without the batch dimension) as it is."""
+    if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[0] != batch:
+        return value
+    sample = value if rows is None else value[rows]
+    if rows is None and _is_alone(sample):
+        return sample
+    return sample.clone(memory_format=torch.contiguous_format)
 
 
-def make_row_exact(module: nn.Module) -> int:
-    """Wrap, in place, the convolutions and linears of ``module`` that batching would change;
-    returns how many were wrapped. Parameters are shared, so weights and state dicts are untouched
-    (the wrappers add one ``inner.`` level to the parameter names of wrapped modules)."""
-    targets = [
-        (parent, name, child)
-        for parent in module.modules()
-        for name, child in parent.named_children()
-        if isinstance(child, nn.Conv1d | nn.Conv2d | nn.Conv3d | nn.Linear)
+def _concat(parts: Sequence[Any]) -> Any:
+    """The per-sample outputs joined as the batched forward returns them: tensors concatenated on
+    the batch dimension, inside tuples, lists and dict-like outputs (diffusers' ``ModelOutput``)."""
+    first = parts[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(list(parts))
+    if isinstance(first, dict):
+        return type(first)(**{k: _concat([p[k] for p in parts]) for k in first})
+    if isinstance(first, tuple | list):
+        return type(first)(_concat(column) for column in zip(*parts, strict=True))
+    return first
+
+
+def _batch_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
+    """The first dimension of the first tensor argument (positional, then keyword); ``None``
+    without one, or when it is not on the CPU (other devices keep the batched forward)."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return value.shape[0] if value.device.type == "cpu" else None
+    return None
+
+
+def _row_exact_forward(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    batch = _batch_size(args, kwargs)
+    if batch is None:
+        return forward(*args, **kwargs)
+    samples = [None] if batch == 1 else [slice(i, i + 1) for i in range(batch)]
+    outputs = [
+        forward(
+            *(_as_alone(a, rows, batch) for a in args),
+            **{k: _as_alone(v, rows, batch) for k, v in kwargs.items()},
+        )
+        for rows in samples
     ]
-    for parent, name, child in targets:
-        wrapper = _RowExactLinear(child) if isinstance(child, nn.Linear) else _RowExactConv(child)
-        setattr(parent, name, wrapper)
-    return len(targets)
+    return outputs[0] if batch == 1 else _concat(outputs)
+
+
+def make_row_exact(module: nn.Module) -> None:
+    """Make ``module``'s forward row-exact on CPU, in place (see the module docstring): a batch runs
+    sample by sample, each on a fresh copy of its rows. The batch is the first dimension of the
+    first tensor argument; every tensor argument with that first dimension is split, the others
+    are passed to each sample whole. Parameters, buffers and the state dict are untouched; calling
+    it again changes nothing."""
+    if getattr(module, _MARK, False):
+        return
+    # An instance attribute, as accelerate's and diffusers' hooks wrap ``forward``; a partial (not a
+    # closure) so that ``copy.deepcopy`` of the module rebinds it to the copy.
+    module.forward = functools.partial(_row_exact_forward, module.forward)
+    setattr(module, _MARK, True)

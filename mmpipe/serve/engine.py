@@ -23,6 +23,20 @@ A stage that raises fails only the request it ran for (a batch that raises is re
 request to find it); the front end then tells the other groups to drop it. Cancelling, a client
 disconnect or a timeout drops a request the same way.
 
+A group whose worker dies (or whose loop raises) is restarted by the front end (:meth:`Engine._recover`,
+run by the reader thread that notices it), and so is *every other group*: the live groups do not keep
+their loaded weights. The groups are the ranks of one gloo process group, and gloo can neither shrink
+nor abort one: the survivors' receiver threads stay blocked in receives on the old group (nothing
+cancels them), a send to the dead rank blocks until gloo's timeout, and destroying a group with work
+outstanding can hang. Re-forming the group inside the live processes would leak a blocked thread per
+peer and restart and risk a hang at exit; fresh workers, forked from the preloading forkserver and
+meeting on a new port with new queues, are always clean, for the price of loading the graph again
+(a second or two for the tiny preset; a large pipeline reloads from the page cache). So a death
+fails every unfinished request with error code ``worker_restarted`` and a message naming the dead
+group; ``/health`` answers 503 ("restarting") until the new groups are ready, then 200 again. At most
+``MAX_RESTARTS`` restarts within ``RESTART_WINDOW_S``: the next failure leaves the groups down and
+``/health`` 503 with the cause, as does a failure while the engine closes.
+
 On CUDA (``device=cuda``, or ``auto`` with a GPU visible) each group's worker computes on
 ``rank_device(CUDA, group)``, so groups share a GPU when there are fewer GPUs than groups; its
 stages' modules are placed there in serving precision (text encoder and DiT bf16, VAE float32:
@@ -62,12 +76,17 @@ from mmpipe.config import ServeConfig, to_dict
 from mmpipe.devices import DeviceType, rank_device, resolve_device
 from mmpipe.errors import cause, loading_errors
 from mmpipe.runtime import procs
-from mmpipe.serve.protocol import GenerationRequest, Job, JobStatus, QueueFull
+from mmpipe.serve.protocol import WORKER_RESTARTED, GenerationRequest, Job, JobStatus, QueueFull
 
 logger = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 300.0
 EXIT_GRACE_S = 10.0  # how long an ending worker gets before the next, harder signal
+# A restart ends the surviving workers quickly: their requests have failed already, and a worker
+# blocked in a gloo call to the dead peer runs no signal handler until SIGKILL.
+RESTART_GRACE_S = 2.0
+MAX_RESTARTS = 3  # restarts within RESTART_WINDOW_S; one more failure and the engine stays down (503)
+RESTART_WINDOW_S = 600.0
 _TAG = 7  # the p2p tag of serving messages
 _CONTEXT, _LATENTS = 1, 2  # message kinds between groups
 
@@ -141,7 +160,8 @@ class Engine:
         self._spec = self._source_spec(cfg) | {"device": self.device.value}
         self.run_dir = Path(cfg.run_dir or f"runs/serve-{time.strftime('%Y%m%d-%H%M%S')}")
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "serve.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        saved = dataclasses.replace(cfg, api_key="<redacted>" if cfg.api_key else None)  # never written down
+        (self.run_dir / "serve.yaml").write_text(yaml.safe_dump(to_dict(saved), sort_keys=False))
         self._lock = threading.Lock()
         self._jobs: dict[str, _Tracked] = {}
         self._by_number: dict[int, _Tracked] = {}
@@ -150,38 +170,19 @@ class Engine:
         self._closing = False
         self._closed = False
         self.healthy = True
+        self.restarting = False  # the groups are being restarted (healthy is False meanwhile)
         self.fatal: str | None = None
-        ctx = procs.context()
-        world = cfg.groups
-        self._outbox: Any = ctx.Queue()
-        self._inboxes: list[Any] = [ctx.Queue() for _ in range(world)]
-        threads = cfg.threads or max(1, (os.cpu_count() or 1) // world)
-        from mmpipe.runtime.launch import free_port
-
-        init = {
-            "port": free_port(),
-            "world": world,
-            "threads": threads,
-            "run_dir": str(self.run_dir),
-            "env": procs.environment(),
-            "device": self.device.value,
-        }
-        options = {k: getattr(cfg, k) for k in ("max_batch", "max_wait_ms")} | {"placement": cfg.placement}
-        self._procs = [
-            ctx.Process(
-                target=_worker_main,
-                args=(g, init, self._spec, options, graph_factory, self._inboxes[g], self._outbox),
-                name=f"mmpipe-serve-group{g}",
-                daemon=True,
-            )
-            for g in range(world)
-        ]
-        for p in self._procs:
-            p.start()
+        self._gave_up = False  # MAX_RESTARTS were used up: the engine stays unhealthy
+        self._restarts = collections.deque[float]()  # monotonic times of the recent restarts
+        self._graph_factory = graph_factory
+        self._procs: list[Any] = []
+        self._inboxes: list[Any] = []
+        self._outbox: Any = None
         try:
-            self._wait_ready()
+            self._start_groups()
         except BaseException as err:
             self._kill(exiting=[err.group] if isinstance(err, ServeStartError) and err.group is not None else [])
+            self._remove_tmp()
             raise
         self._reader = threading.Thread(target=self._read_loop, name="mmpipe-serve-reader", daemon=True)
         self._reader.start()
@@ -195,6 +196,12 @@ class Engine:
 
         gpus = torch.cuda.device_count() if self.device is DeviceType.CUDA else 0
         return dataclasses.replace(cfg, placement=resolve_placement(cfg.placement, self.device, gpus))
+
+    @property
+    def _placement(self) -> dict[str, Any]:
+        """stage -> the groups that run it (resolved by _placed: never None)."""
+        assert self.cfg.placement is not None
+        return self.cfg.placement
 
     def _source_spec(self, cfg: ServeConfig) -> dict[str, Any]:
         """What each worker builds its graph from, checked here so that a bad directory is refused
@@ -221,10 +228,50 @@ class Engine:
         path = save_tiny_wan_pipeline(cfg.model, [*caption_vocabulary(), "blurry static"], self._tmp, seed=0)
         return {"pipeline": str(path), "text_len": cfg.text_len or cfg.model.text_len}
 
+    def _start_groups(self) -> None:
+        """Start one worker per group and wait until each is ready. Every start (the first, and each
+        restart) gets a fresh rendezvous port and fresh queues, so nothing a previous generation of
+        workers left behind (a half-formed gloo group, unread messages) reaches the new one."""
+        from mmpipe.runtime.launch import free_port
+
+        cfg = self.cfg
+        ctx = procs.context()
+        world = cfg.groups
+        init = {
+            "port": free_port(),
+            "world": world,
+            "threads": cfg.threads or max(1, (os.cpu_count() or 1) // world),
+            "run_dir": str(self.run_dir),
+            "env": procs.environment(),
+            "device": self.device.value,
+        }
+        options = {k: getattr(cfg, k) for k in ("max_batch", "max_wait_ms")} | {"placement": cfg.placement}
+        outbox, inboxes = ctx.Queue(), [ctx.Queue() for _ in range(world)]
+        workers = [
+            ctx.Process(
+                target=_worker_main,
+                args=(g, init, self._spec, options, self._graph_factory, inboxes[g], outbox),
+                name=f"mmpipe-serve-group{g}",
+                daemon=True,
+            )
+            for g in range(world)
+        ]
+        with self._lock:  # submit and _finish put into the inboxes under the lock: never into retired ones
+            retired = [*self._inboxes, *([self._outbox] if self._outbox is not None else [])]
+            self._procs, self._inboxes, self._outbox = workers, inboxes, outbox
+        for q in retired:
+            q.cancel_join_thread()  # its reader is gone: exiting must not wait to flush it
+            q.close()
+        for p in workers:
+            p.start()
+        self._wait_ready()
+
     def _wait_ready(self) -> None:
         ready: set[int] = set()
         deadline = time.monotonic() + READY_TIMEOUT_S
         while len(ready) < len(self._procs):
+            if self._closing:  # only a restart can see this: close() needs a started engine
+                raise ServeStartError("the engine closed while its serving groups were restarting")
             try:
                 msg = self._outbox.get(timeout=0.2)
             except queue.Empty:
@@ -245,7 +292,7 @@ class Engine:
         """Which stages each device group (worker process, rank) runs, and on which GPU."""
         lines = []
         for g in range(self.cfg.groups):
-            stages = [s for s, groups in self.cfg.placement.items() if g in groups]
+            stages = [s for s, groups in self._placement.items() if g in groups]
             gpu = f", {rank_device(self.device, g)}" if self.device is DeviceType.CUDA else ""
             lines.append(f"group {g} (rank {g}, pid {self._procs[g].pid}{gpu}): {', '.join(stages)}")
         return "\n".join(lines)
@@ -272,15 +319,15 @@ class Engine:
             for stage in ("text", "denoise", "decode"):
                 self._load[(stage, getattr(route, stage))] += 1
             self.metrics.set_queue_depth(unfinished + 1)
-        payload = ("submit", number, dataclasses.asdict(request), dataclasses.asdict(route))
-        for g in sorted(route.groups):
-            self._inboxes[g].put(payload)
+            payload = ("submit", number, dataclasses.asdict(request), dataclasses.asdict(route))
+            for g in sorted(route.groups):  # under the lock: a restart swaps the inboxes under it
+                self._inboxes[g].put(payload)
         return job
 
     def _least_loaded(self, stage: str, previous: int | None) -> int:
         """The group of ``stage`` with the fewest unfinished requests; among equals, the group of the
         request's previous stage (its tensors then stay in the process), then the lowest index."""
-        groups = self.cfg.placement[stage]
+        groups = self._placement[stage]
         return min(groups, key=lambda g: (self._load[(stage, g)], g != previous, g))
 
     def _retry_after(self, unfinished: int) -> float:
@@ -289,7 +336,7 @@ class Engine:
         if not recent:
             return 1.0
         per_job = float(np.mean([(j.completed_at or 0) - (j.started_at or 0) for j in recent]))
-        return max(1.0, per_job * unfinished / max(1, len(self.cfg.placement["denoise"]) * self.cfg.max_batch))
+        return max(1.0, per_job * unfinished / max(1, len(self._placement["denoise"]) * self.cfg.max_batch))
 
     def get(self, job_id: str) -> Job | None:
         tracked = self._jobs.get(job_id)
@@ -302,7 +349,8 @@ class Engine:
             return False
         return self._finish(tracked, JobStatus.CANCELLED)
 
-    def _finish(self, tracked: _Tracked, status: JobStatus, **kw: Any) -> bool:
+    def _finish(self, tracked: _Tracked, status: JobStatus, *, drop: bool = True, **kw: Any) -> bool:
+        """Move a job to its final status; unless it completed (or not ``drop``), its groups drop its work."""
         with self._lock:
             if not tracked.job.finish(status, **kw):
                 return False
@@ -310,9 +358,9 @@ class Engine:
                 self._load[(stage, getattr(tracked.route, stage))] -= 1
             self.metrics.request_finished(status.value)
             self.metrics.set_queue_depth(sum(1 for t in self._jobs.values() if not t.job.status.done))
-        if status is not JobStatus.COMPLETED:
-            for g in sorted(tracked.route.groups):
-                self._inboxes[g].put(("drop", tracked.number))
+            if drop and status is not JobStatus.COMPLETED:
+                for g in sorted(tracked.route.groups):
+                    self._inboxes[g].put(("drop", tracked.number))
         self._forget_old()
         return True
 
@@ -326,36 +374,49 @@ class Engine:
 
     # ---- messages from the groups ------------------------------------------------------------
     def _read_loop(self) -> None:
+        """Messages from the groups until the engine closes; a group that dies or fails restarts them."""
         while not self._closed:
             try:
                 msg = self._outbox.get(timeout=0.2)
             except queue.Empty:
                 dead = [g for g, p in enumerate(self._procs) if not p.is_alive()]
-                if dead and not self._closed and not self._closing:
-                    self._fail_all(f"serving group {dead[0]} died (exit code {self._procs[dead[0]].exitcode})")
+                if dead and not self._closing and not self._gave_up:
+                    self._recover(f"serving group {dead[0]} died (exit code {self._procs[dead[0]].exitcode})")
                 continue
             except (EOFError, OSError):
                 return
-            kind = msg[0]
-            if kind == "stage":
-                self.metrics.observe_stage(*msg[1:])
-            elif kind == "edge":
-                self.metrics.edge_bytes(*msg[1:])
-            elif kind == "fatal":
-                self._fail_all(self._cause(msg[1], msg[2]))
-            else:
-                tracked = self._by_number.get(msg[1])
-                if tracked is None or tracked.job.status.done:
+            if msg[0] == "fatal":
+                if self._gave_up:  # a dying survivor's last word: the engine is down for a known cause
                     continue
-                if kind == "started":
-                    tracked.job.status = JobStatus.IN_PROGRESS
-                    tracked.job.started_at = tracked.job.started_at or time.time()
-                elif kind == "progress":
-                    tracked.job.progress = max(tracked.job.progress, int(msg[2]))
-                elif kind == "done":
-                    self._finish(tracked, JobStatus.COMPLETED, frames=msg[2])
-                elif kind == "failed":
-                    self._finish(tracked, JobStatus.FAILED, error=msg[2])
+                cause = self._cause(msg[1], msg[2])
+                if self._closing:
+                    self._fail_all(cause)
+                else:
+                    self._recover(cause)
+            else:
+                self._on_message(msg)
+
+    def _on_message(self, msg: tuple[Any, ...]) -> None:
+        """Metrics, and the progress and end of the requests."""
+        kind = msg[0]
+        if kind == "stage":
+            self.metrics.observe_stage(*msg[1:])
+            return
+        if kind == "edge":
+            self.metrics.edge_bytes(*msg[1:])
+            return
+        tracked = self._by_number.get(msg[1])
+        if tracked is None or tracked.job.status.done:
+            return
+        if kind == "started":
+            tracked.job.status = JobStatus.IN_PROGRESS
+            tracked.job.started_at = tracked.job.started_at or time.time()
+        elif kind == "progress":
+            tracked.job.progress = max(tracked.job.progress, int(msg[2]))
+        elif kind == "done":
+            self._finish(tracked, JobStatus.COMPLETED, frames=msg[2])
+        elif kind == "failed":
+            self._finish(tracked, JobStatus.FAILED, error=msg[2])
 
     def _cause(self, group: int, message: str) -> str:
         """What to report for a group's fatal error: a peer that died makes the survivors' transport
@@ -368,11 +429,52 @@ class Engine:
             time.sleep(0.05)
         return f"serving group {group} failed: {message}"
 
-    def _fail_all(self, message: str) -> None:
+    def _fail_all(self, message: str, code: str | None = None) -> None:
+        """Stay unhealthy with ``message`` as the cause, and fail every unfinished request with it."""
         logger.error(message)
-        self.healthy, self.fatal = False, message
+        with self._lock:
+            self.healthy, self.fatal = False, message
+        self._fail_unfinished(message, code)
+
+    def _fail_unfinished(self, message: str, code: str | None) -> None:
+        # The groups that held these requests are ending: no drop messages to them.
         for tracked in list(self._jobs.values()):
-            self._finish(tracked, JobStatus.FAILED, error=message)
+            self._finish(tracked, JobStatus.FAILED, drop=False, error=message, code=code)
+
+    def _recover(self, cause: str) -> None:
+        """Restart every group after one died or failed (the module docstring says why every group):
+        each unfinished request fails with ``worker_restarted``; new requests are refused (503) until
+        the new groups are ready. After MAX_RESTARTS restarts within RESTART_WINDOW_S, or when the
+        engine is closing, the groups stay down and the engine unhealthy, with the cause."""
+        while True:
+            logger.error("%s: restarting the serving groups", cause)
+            with self._lock:
+                self.healthy, self.restarting, self.fatal = False, True, f"{cause}; restarting the serving groups"
+            self._fail_unfinished(f"{cause} while this request was in flight; retry it", WORKER_RESTARTED)
+            self._kill(exiting=range(len(self._procs)), grace=RESTART_GRACE_S, stop=True)
+            now = time.monotonic()
+            while self._restarts and now - self._restarts[0] > RESTART_WINDOW_S:
+                self._restarts.popleft()
+            if len(self._restarts) >= MAX_RESTARTS or self._closing:
+                why = "the engine is closing" if self._closing else self._restart_limit_text()
+                with self._lock:
+                    self._gave_up, self.restarting = True, False
+                self._fail_all(f"{cause}; not restarted: {why}")
+                return
+            self._restarts.append(now)
+            self.metrics.worker_restarted()
+            try:
+                self._start_groups()
+            except ServeStartError as err:
+                cause = f"restarting the serving groups failed: {err}"
+                continue
+            logger.warning("serving groups restarted after: %s", cause)
+            with self._lock:
+                self.healthy, self.restarting, self.fatal = True, False, None
+            return
+
+    def _restart_limit_text(self) -> str:
+        return f"{MAX_RESTARTS} restarts within {RESTART_WINDOW_S:.0f} s already (the limit)"
 
     def _watch_loop(self) -> None:
         while not self._closed:
@@ -396,27 +498,38 @@ class Engine:
                 tracked.job.wait(max(0.0, remaining) + 1.0)
         for tracked in list(self._jobs.values()):
             self._finish(tracked, JobStatus.CANCELLED)
-        for inbox in self._inboxes:
-            inbox.put(("stop",))
         self._closed = True
-        self._kill(exiting=range(len(self._procs)))
+        # A restart under way sees _closing and stops within its kill's grace: then _procs is final.
+        self._reader.join(timeout=3 * EXIT_GRACE_S)
+        self._kill(exiting=range(len(self._procs)), stop=True)
+        self._remove_tmp()
 
-    def _kill(self, exiting: Sequence[int] = ()) -> None:
-        """End the workers. Those in ``exiting`` have announced that they are ending and get the time
-        to do so; the others get SIGTERM, which a worker turns into an orderly exit, then SIGKILL.
-        An orderly exit runs the worker's exit handlers, which unlink the named semaphores it created
-        (tqdm's lock, for one); killed mid-way, it leaves them to the resource tracker, which warns
-        about leaked semaphores on the user's terminal when the front end exits."""
+    def _kill(self, exiting: Sequence[int] = (), *, grace: float = EXIT_GRACE_S, stop: bool = False) -> None:
+        """End the workers. Those in ``exiting`` have announced that they are ending (with ``stop``:
+        are told to now) and get ``grace`` seconds to do so; the others get SIGTERM, which a worker
+        turns into an orderly exit, then SIGKILL. An orderly exit runs the worker's exit handlers,
+        which unlink the named semaphores it created (tqdm's lock, for one); killed mid-way, it leaves
+        them to the resource tracker, which warns about leaked semaphores on the user's terminal when
+        the front end exits."""
+        with self._lock:
+            workers, inboxes = list(self._procs), list(self._inboxes)
+        if stop:
+            for inbox in inboxes:
+                inbox.put(("stop",))
+        deadline = time.monotonic() + grace
         for g in exiting:
-            self._procs[g].join(timeout=EXIT_GRACE_S)
-        for p in self._procs:
+            workers[g].join(timeout=max(0.0, deadline - time.monotonic()))
+        for p in workers:
             if p.is_alive():
                 p.terminate()
-        for p in self._procs:
-            p.join(timeout=EXIT_GRACE_S)
+        for p in workers:
+            p.join(timeout=grace)
             if p.is_alive():
                 p.kill()
                 p.join()
+
+    def _remove_tmp(self) -> None:
+        """Remove the tiny preset's pipeline directory, if this engine wrote one."""
         if self._tmp:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None

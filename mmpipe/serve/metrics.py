@@ -14,7 +14,8 @@ _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
 class ServeMetrics:
-    """Per-stage queue time, run time and batch size; requests by final status; bytes per edge."""
+    """Per-stage queue time, run time and batch size; requests by final status; bytes per edge;
+    restarts of the serving groups."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -45,6 +46,9 @@ class ServeMetrics:
             "mmpipe_serve_edge_bytes", "Bytes sent between device groups, per graph edge.", ["edge"], registry=r
         )
         self.queue_depth = Gauge("mmpipe_serve_queue_depth", "Unfinished requests the engine holds.", registry=r)
+        self.restarts = Counter(
+            "mmpipe_serve_worker_restarts", "Restarts of the serving groups after one died or failed.", registry=r
+        )
 
     def observe_stage(self, stage: str, queue_s: float, run_s: float, batch_size: int) -> None:
         """Record one batch of ``batch_size`` requests run by ``stage`` (``queue_s``: the batch's wait)."""
@@ -64,6 +68,10 @@ class ServeMetrics:
     def set_queue_depth(self, n: int) -> None:
         """The number of unfinished requests now."""
         self.queue_depth.set(n)
+
+    def worker_restarted(self) -> None:
+        """Count one restart of the serving groups."""
+        self.restarts.inc()
 
     def render(self) -> tuple[bytes, str]:
         """The text exposition of every metric and its content type."""

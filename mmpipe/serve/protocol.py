@@ -15,6 +15,10 @@ import uuid
 
 import numpy as np
 
+# The error code of a request that failed because its serving group died (the engine restarted the
+# groups): nothing is wrong with the request, and the client may retry it.
+WORKER_RESTARTED = "worker_restarted"
+
 
 class JobStatus(enum.StrEnum):
     """A job's life: queued -> in_progress -> completed | failed | cancelled (OpenAI's video statuses,
@@ -66,6 +70,7 @@ class Job:
     started_at: float | None = None
     completed_at: float | None = None
     error: str | None = None
+    error_code: str | None = None  # why it failed, for clients (e.g. WORKER_RESTARTED); None: a stage's error
     frames: np.ndarray | None = None
     _done: threading.Event = dataclasses.field(default_factory=threading.Event, repr=False)
 
@@ -73,11 +78,18 @@ class Job:
         """Block until the job is completed, failed or cancelled; False on timeout."""
         return self._done.wait(timeout)
 
-    def finish(self, status: JobStatus, *, frames: np.ndarray | None = None, error: str | None = None) -> bool:
+    def finish(
+        self,
+        status: JobStatus,
+        *,
+        frames: np.ndarray | None = None,
+        error: str | None = None,
+        code: str | None = None,
+    ) -> bool:
         """Move to a final status (once; later calls are ignored and return False)."""
         if self.status.done:
             return False
-        self.status, self.frames, self.error = status, frames, error
+        self.status, self.frames, self.error, self.error_code = status, frames, error, code
         if status is JobStatus.COMPLETED:
             self.progress = 100
         self.completed_at = time.time()

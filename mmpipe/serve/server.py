@@ -9,8 +9,10 @@ second Ctrl-C stops waiting for HTTP requests.
 
 from __future__ import annotations
 
+import ipaddress
 import signal
 import socket
+import sys
 import threading
 import time
 from types import FrameType
@@ -18,18 +20,21 @@ from types import FrameType
 import uvicorn
 
 from mmpipe.config import ServeConfig
-from mmpipe.serve.app import ServingEngine, create_app
+from mmpipe.serve.app import API_KEY_ENV, ServingEngine, create_app, resolve_api_key
 
 _START_TIMEOUT_S = 60.0
 
 
 class HttpServer:
-    """uvicorn serving an engine from a background thread, on a socket bound before it starts."""
+    """uvicorn serving an engine from a background thread, on a socket bound before it starts. The
+    API key (``engine.cfg.api_key``, else ``$MMPIPE_API_KEY``) is read here, once."""
 
     def __init__(self, engine: ServingEngine, sock: socket.socket, *, log_level: str = "info") -> None:
         self.socket = sock
         self.host, self.port = sock.getsockname()[:2]
-        config = uvicorn.Config(create_app(engine), log_level=log_level, lifespan="off", timeout_keep_alive=5)
+        self.authenticated = (api_key := resolve_api_key(engine.cfg.api_key)) is not None
+        app = create_app(engine, api_key=api_key)
+        config = uvicorn.Config(app, log_level=log_level, lifespan="off", timeout_keep_alive=5)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True)
 
@@ -71,6 +76,9 @@ def serve(cfg: ServeConfig) -> None:
     """Serve ``cfg``'s graph until Ctrl-C / SIGTERM; drain in-flight requests, then return."""
     from mmpipe.serve.engine import Engine
 
+    resolve_api_key(
+        cfg.api_key, env={}
+    )  # refuses an empty key before any worker starts (HttpServer reads $MMPIPE_API_KEY)
     sock = bind(cfg.host, cfg.port)  # before any worker starts: a taken port is a config error
     try:
         engine = Engine(cfg)
@@ -78,13 +86,42 @@ def serve(cfg: ServeConfig) -> None:
         sock.close()
         raise
     try:
-        http = HttpServer(engine, sock).start()
+        http = HttpServer(engine, sock)
+        warn_if_exposed(cfg.host, http.authenticated)
+        http.start()
         print(f"mmpipe serve: {http.url}", flush=True)
         print(engine.placement_text(), flush=True)
         _wait_for_signal(http)
     finally:
         engine.close(drain=True)
     print("mmpipe serve: stopped", flush=True)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address, or ``localhost``) is reachable from this machine only."""
+    if host.lower() in ("localhost", "localhost."):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback  # 127.0.0.0/8, ::1
+    except ValueError:  # a host name: it may resolve to any address
+        return False
+
+
+def exposure_warning(host: str, authenticated: bool) -> str | None:
+    """The start-up warning for a server that other machines can reach without a key, or None."""
+    if authenticated or is_loopback(host):
+        return None
+    return (
+        f"mmpipe serve: warning: host={host} accepts connections from other machines and no API key is set: "
+        f"anyone who reaches it can use it (set api_key=KEY or ${API_KEY_ENV})"
+    )
+
+
+def warn_if_exposed(host: str, authenticated: bool) -> None:
+    """Print :func:`exposure_warning`'s line on stderr, if there is one."""
+    warning = exposure_warning(host, authenticated)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
 
 
 def _wait_for_signal(http: HttpServer) -> None:

@@ -1,7 +1,7 @@
 """Test helpers of the serving tests: an in-process engine double, a server in a thread, raw HTTP.
 
 :class:`FakeEngine` implements the engine API the HTTP front end uses (``submit``, ``get``,
-``cancel``, ``model_id``, ``cfg``, ``metrics``, ``healthy``) without any model: a job's frames are
+``cancel``, ``model_id``, ``cfg``, ``metrics``, ``healthy``, ``restarting``) without any model: a job's frames are
 a pure function of its request, so the HTTP layer's encoding can be checked exactly. With
 ``hold=True`` jobs stay queued until :meth:`FakeEngine.release`.
 """
@@ -41,6 +41,7 @@ class FakeEngine:
     def __init__(self, cfg: ServeConfig, *, hold: bool = False) -> None:
         self.cfg, self.model_id, self.metrics = cfg, cfg.model_name, ServeMetrics()
         self.healthy: bool = True
+        self.restarting: bool = False
         self.fatal: str | None = None
         self.hold = hold
         self.jobs: dict[str, Job] = {}
