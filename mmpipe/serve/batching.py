@@ -13,8 +13,11 @@ of the whole batch and the thread count (measured with torch 2.13 on x86 CPUs):
   with vector instructions and its last ``numel % (2 * vector width)`` elements with the scalar
   formula, which differs from the vector one in the last bits; which elements fall in a tail
   depends on the batch's total size and the thread count;
-* attention: the CPU flash kernel splits work over batch x heads x query blocks, and a gemm
-  inside it runs multi-threaded or not depending on whether that split gave more than one item.
+* attention: with one token per row, the batched cross-attention gave other bits than the rows
+  alone at 2 and 4 threads (the CPU flash kernel splits its work over batch x heads x query
+  blocks, and its inner GEMMs run on pointers into the batch);
+* weights: the same DiT loaded by ``from_pretrained`` (tensors 8 bytes past a 64-byte boundary,
+  mapped from the file) and deep-copied (aligned) gives other bits, so alignment is part of a call.
 
 So no list of "row-invariant" kernels survives another CPU, thread count or shape. The mechanism
 instead runs every row exactly as it runs alone: on CPU :func:`make_row_exact` makes the module's

@@ -6,14 +6,13 @@ one DiT group so that concurrent requests must share its batches.
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from serve_doubles import graph_failing_to_start
 
 from mmpipe.config import ServeConfig
@@ -22,6 +21,16 @@ from mmpipe.pipelines import from_diffusers
 from mmpipe.serve.engine import Engine, ServeStartError
 from mmpipe.serve.metrics import ServeMetrics
 from mmpipe.serve.protocol import GenerationRequest, JobStatus
+
+# Four prompts for 16 x 16 single-frame requests: one latent token per sample, the shape where a
+# batched DiT's cross-attention gave other bits than the row alone at 2 and 4 threads (measured on
+# the DiT in test_serve_batching.py; uint8 frames hide most such last-bit differences).
+ONE_TOKEN = [
+    "a blue square moving up",
+    "a red square moving down",
+    "a green circle moving left",
+    "a red circle moving up",
+]
 
 
 class RecordingMetrics(ServeMetrics):
@@ -51,6 +60,40 @@ def engine(tiny_wan_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         yield eng
 
 
+@pytest.fixture(scope="module", params=[1, 2, 4], ids=lambda n: f"threads{n}")
+def threaded_engine(
+    request: pytest.FixtureRequest, tiny_wan_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Engine]:
+    """An engine whose DiT group computes with ``request.param`` torch threads (one group: every
+    DiT batch is shared). At one thread, the module's ``engine`` (one engine fewer to start)."""
+    if request.param == 1:
+        yield request.getfixturevalue("engine")
+        return
+    cfg = ServeConfig(
+        pipeline=str(tiny_wan_dir),
+        run_dir=str(tmp_path_factory.mktemp("serve_threads_run")),
+        text_len=16,
+        placement={"text": [0], "denoise": [1], "decode": [0]},
+        threads=request.param,
+        max_batch=4,
+        max_wait_ms=300.0,  # the first DiT batch waits for its companions
+    )
+    with Engine(cfg, metrics=RecordingMetrics()) as eng:
+        yield eng
+
+
+@pytest.fixture
+def same_threads(threaded_engine: Engine) -> Iterator[int]:
+    """This process's torch threads set to the engine's (outputs are only equal at equal thread
+    counts: a GEMM may split its work otherwise), restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threaded_engine.cfg.threads)
+    try:
+        yield threaded_engine.cfg.threads
+    finally:
+        torch.set_num_threads(before)
+
+
 def offline(path: Path, r: GenerationRequest) -> np.ndarray:
     graph = from_diffusers(path, max_sequence_length=16)
     video = graph.generate(
@@ -67,7 +110,10 @@ def offline(path: Path, r: GenerationRequest) -> np.ndarray:
     return frames_to_uint8(video[0])
 
 
-def test_batched_requests_equal_their_offline_runs(engine: Engine, tiny_wan_dir: Path) -> None:
+def test_batched_requests_equal_their_offline_runs(
+    threaded_engine: Engine, same_threads: int, tiny_wan_dir: Path
+) -> None:
+    engine = threaded_engine
     base = GenerationRequest(prompt="a red circle moving left", height=32, width=32, frames=5, steps=6)
     requests = [
         base,
@@ -89,6 +135,11 @@ def test_batched_requests_equal_their_offline_runs(engine: Engine, tiny_wan_dir:
         GenerationRequest(prompt="a red circle moving left", height=48, width=32, frames=9, steps=5, seed=6),
         GenerationRequest(prompt="a red circle moving left", height=32, width=32, frames=5, steps=6, seed=7),
     ]
+    if same_threads > 1:  # one-token rows: where batched kernels differ most (not needed at one thread)
+        requests += [
+            GenerationRequest(prompt=p, height=16, width=16, frames=1, steps=4, seed=8 + i)
+            for i, p in enumerate(ONE_TOKEN)
+        ]
     jobs = [engine.submit(r) for r in requests]
     for job in jobs:
         assert job.wait(120), f"{job.id} did not finish"
@@ -103,26 +154,43 @@ def test_batched_requests_equal_their_offline_runs(engine: Engine, tiny_wan_dir:
     assert b'mmpipe_serve_edge_bytes_total{edge="text->denoise"}' in body
 
 
-def test_the_run_directory_has_events_memory_and_a_report(engine: Engine) -> None:
+def test_the_run_directory_has_events_memory_and_a_report(tiny_wan_dir: Path, tmp_path: Path) -> None:
+    """On an engine of its own, so that what its run directory holds does not depend on which other
+    tests ran before (the suite runs shuffled)."""
     from mmpipe.report.analysis import edge_traffic, load_run, rank_shares, stage_shares, steady_window, summarize
     from mmpipe.report.html import write_report
 
-    time.sleep(0.5)  # the memory samplers' next records
-    run = load_run(engine.run_dir)
-    assert {e["phase"] for e in run.events} == {"serve"}
-    assert {e["rank"] for e in run.memory} == {0, 1}
-    window = steady_window(run.events)
-    assert window is not None
-    shares = rank_shares(run.events, window)
-    assert set(shares) == {0, 1} and all(0 < s.busy_fraction <= 1 for s in shares.values())
-    stages = stage_shares(run.events, window)
-    assert stages["text"][0] == (0,) and stages["denoise"][0] == (1,) and stages["decode"][0] == (0,)
-    edges = {(t.src, t.dst): t for t in edge_traffic(run.events, window)}
-    assert edges[("text", "denoise")].messages >= 6 and edges[("denoise", "decode")].bytes > 0
-    summary = summarize(run, predict=False)
-    assert any("serving run" in n and "6 requests finished" in n for n in summary.notes), summary.notes
-    page = write_report([engine.run_dir]).read_text()
-    assert "rank 0" in page and "rank 1" in page and "serving run" in page
+    cfg = ServeConfig(
+        pipeline=str(tiny_wan_dir),
+        run_dir=str(tmp_path / "serve_run"),
+        text_len=16,
+        placement={"text": [0], "denoise": [1], "decode": [0]},
+        threads=1,
+        max_batch=4,
+        max_wait_ms=300.0,
+    )
+    with Engine(cfg) as engine:
+        jobs = [
+            engine.submit(GenerationRequest(prompt=p, height=32, width=32, frames=5, steps=3, seed=i))
+            for i, p in enumerate(["a red circle moving left", "a blue square moving up"] * 3)
+        ]
+        assert all(job.wait(120) and job.status is JobStatus.COMPLETED for job in jobs)
+        time.sleep(0.5)  # the memory samplers' next records
+        run = load_run(engine.run_dir)
+        assert {e["phase"] for e in run.events} == {"serve"}
+        assert {e["rank"] for e in run.memory} == {0, 1}
+        window = steady_window(run.events)
+        assert window is not None
+        shares = rank_shares(run.events, window)
+        assert set(shares) == {0, 1} and all(0 < s.busy_fraction <= 1 for s in shares.values())
+        stages = stage_shares(run.events, window)
+        assert stages["text"][0] == (0,) and stages["denoise"][0] == (1,) and stages["decode"][0] == (0,)
+        edges = {(t.src, t.dst): t for t in edge_traffic(run.events, window)}
+        assert edges[("text", "denoise")].messages >= 6 and edges[("denoise", "decode")].bytes > 0
+        summary = summarize(run, predict=False)
+        assert any("serving run" in n and "6 requests finished" in n for n in summary.notes), summary.notes
+        page = write_report([engine.run_dir]).read_text()
+        assert "rank 0" in page and "rank 1" in page and "serving run" in page
 
 
 def test_timeout_fails_the_request_and_frees_the_group(engine: Engine) -> None:
@@ -155,21 +223,6 @@ def test_only_the_newest_finished_jobs_are_kept(engine: Engine) -> None:
         assert engine.get(jobs[1].id) is jobs[1] and engine.get(jobs[2].id) is jobs[2]
     finally:
         engine.cfg.keep_results = keep
-
-
-def test_a_dead_group_fails_its_requests_and_the_engine_refuses_new_ones(engine: Engine) -> None:
-    job = engine.submit(GenerationRequest(prompt="a red circle moving left", height=64, width=64, frames=17, steps=100))
-    deadline = time.monotonic() + 30
-    while job.status is JobStatus.QUEUED and time.monotonic() < deadline:
-        time.sleep(0.01)
-    pid = engine._procs[1].pid
-    assert pid is not None
-    os.kill(pid, signal.SIGKILL)
-    assert job.wait(30)
-    assert job.status is JobStatus.FAILED and "serving group 1 died" in (job.error or "")
-    assert not engine.healthy
-    with pytest.raises(RuntimeError, match="serving group 1 died"):
-        engine.submit(GenerationRequest(prompt="a red circle moving left"))
 
 
 def test_a_failed_start_ends_the_other_groups_through_their_exit_handlers(tiny_wan_dir: Path, tmp_path: Path) -> None:
