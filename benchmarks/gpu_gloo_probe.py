@@ -7,6 +7,7 @@ parallelism would need to run on ranks that share a GPU without NCCL). Prints on
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -46,7 +47,8 @@ def worker(rank: int, port: int, out: dict[str, str]) -> None:
     dist.destroy_process_group()
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(description=__doc__.split("\n")[0]).parse_args(argv)
     if not torch.cuda.is_available():
         print(json.dumps({"error": "no CUDA device"}))
         return 1

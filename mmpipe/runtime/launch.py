@@ -56,8 +56,9 @@ def launch_local(cfg: RunConfig) -> None:
     )
     # Workers must not share the rendezvous store with the agent: it outlives a restart, and the
     # restarted workers' sub-groups (FSDP meshes, the metrics group) would read the dead
-    # attempt's addresses from it. With this set, rank 0 hosts a fresh store each attempt.
-    saved = os.environ.get(_OWN_STORE)
+    # attempt's addresses from it. With this set, rank 0 hosts a fresh store each attempt. The
+    # agent sets variables of its own here too (TORCHELASTIC_*): all are undone when it returns.
+    saved = dict(os.environ)
     os.environ[_OWN_STORE] = "1"
     procs.context()  # the agent's workers come from the preloading forkserver
     try:
@@ -71,10 +72,8 @@ def launch_local(cfg: RunConfig) -> None:
         message = failure.message if isinstance(failure.message, str) else json.dumps(failure.message)
         raise WorkerFailure(f"training worker rank {rank} failed (exit code {failure.exitcode}): {message}") from None
     finally:
-        if saved is None:
-            os.environ.pop(_OWN_STORE, None)
-        else:
-            os.environ[_OWN_STORE] = saved
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 # What torch's elastic agent sets for each worker (LocalElasticAgent._start_workers and the
