@@ -19,7 +19,8 @@
 # Then `run(command="bash benchmarks/gpu_checks.sh train generate pipeline probe tests", carry=[".whl"],
 # timeout_s=600)` and, within the 30 s the machine stays warm, `... gpu_checks.sh serve` (issue 29:
 # about 6 + 4 minutes on an H200). Arguments pick steps, run in the order given; `kernels` and
-# `memory` are the kernel and memory benchmarks of issues 6 and 7. Each step has its own time limit,
+# `memory` are the kernel and memory benchmarks of issues 6 and 7. TRAIN_ARGS and GENERATE_ARGS pass
+# options to those benchmarks (`TRAIN_ARGS="--profile --compile"`: top kernels a side, regional compile). Each step has its own time limit,
 # and a benchmark killed at its limit prints the JSON of what it measured. What comes back:
 # $OUT/log.txt (every step's output) and $OUT/results.jsonl (each benchmark's JSON line).
 set -uo pipefail
@@ -70,8 +71,8 @@ for step in $STEPS; do
             tests/unit/test_generate_cuda.py tests/serve/test_engine_cuda.py tests/unit/test_memory_host_tier.py \
             2>&1 | tee -a "$OUT/log.txt" || status=1 ;;
     # gpu_train exits 3 when mmpipe's planned memory policy ran out of memory: once more with a smaller budget
-    train) bench gpu_train 130 || { [[ $? == 3 ]] && bench gpu_train 110 --budget-gb 60; } ;;
-    generate) bench gpu_generate 130 ;;
+    train) bench gpu_train 150 ${TRAIN_ARGS:-} || { [[ $? == 3 ]] && bench gpu_train 110 --budget-gb 60; } ;;
+    generate) bench gpu_generate 150 ${GENERATE_ARGS:-} ;;
     pipeline) bench gpu_pipeline_check 90 ;;
     probe) bench gpu_gloo_probe 40 ;;
     serve) bench gpu_serve ${SERVE_LIMIT_S:-260} ;;

@@ -49,6 +49,7 @@ from mmpipe.generate import apply_kernels
 from mmpipe.kernels import registry as kernels
 from mmpipe.pipelines import T2VGraph, from_diffusers, place_graph
 from mmpipe.presets import build_full_wan_pipeline
+from mmpipe.report.recording import top_kernels
 
 PROMPT = "a red fox running through fresh snow in a quiet pine forest at sunrise"
 NEGATIVE = "blurry static low quality distorted overexposed watermark text"
@@ -90,6 +91,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--guidance", type=float, default=5.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--profile", action="store_true", help="a 2-step call a side under torch.profiler: top kernels")
     args = p.parse_args(argv)
     full = {"height": 480, "width": 832, "frames": 33}
     for key, value in (TINY_SIZE if args.tiny else full).items():
@@ -163,6 +165,8 @@ def measure(side: str, call: Callable[[int], np.ndarray], args: argparse.Namespa
         log(f"{side}: repeat {i + 1}/{args.repeats}: {times[-1]:.2f} s")
     if device.type == "cuda":
         REPORT.setdefault("peak_mem_gib", {})[side] = torch.cuda.max_memory_allocated(device) / 2**30
+    if args.profile:  # where a side's time goes: a 2-step call under the profiler
+        REPORT[f"profile_{side}"] = top_kernels(lambda: call(WARMUP_STEPS))
     return frames
 
 

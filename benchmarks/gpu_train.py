@@ -53,6 +53,7 @@ from mmpipe.data import MovingShapesDataset, caption_vocabulary
 from mmpipe.graph import Graph, TensorSpec
 from mmpipe.pipelines import T2V_TRAIN_EDGES, build_text_stage
 from mmpipe.presets import build_full_wan_pipeline
+from mmpipe.report.recording import top_kernels
 from mmpipe.sched.cost import measure_graph_costs
 from mmpipe.stages import WanDiTFlowMatchingStage, WanVAEEncodeStage
 from mmpipe.stages.dit import sample_flow_matching
@@ -136,9 +137,8 @@ def baseline_steps(
     mean = torch.tensor(vae.config.latents_mean, device=device).view(1, -1, 1, 1, 1)
     inv_std = 1.0 / torch.tensor(vae.config.latents_std, device=device).view(1, -1, 1, 1, 1)
     times = []
-    for step in range(args.warmup + args.steps):
-        sync(device)
-        t0 = time.perf_counter()
+
+    def one_step(step: int) -> torch.Tensor:
         batch = batches(step)
         ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
         video = batch["video"].to(device)
@@ -156,12 +156,19 @@ def baseline_steps(
         torch.nn.utils.clip_grad_norm_(dit.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        return loss
+
+    for step in range(args.warmup + args.steps):
+        sync(device)
+        t0 = time.perf_counter()
+        loss = one_step(step)
         sync(device)
         times.append(time.perf_counter() - t0)
         log(f"baseline step {step}: {times[-1]:.3f} s, loss {loss.item():.4f}")
+    if args.profile:
+        RESULT["profile_baseline"] = top_kernels(lambda: one_step(args.warmup + args.steps))
     dit.disable_gradient_checkpointing()
-    del opt
-    return times[args.warmup :]
+    return times[args.warmup :]  # the optimizer and its state go with this frame
 
 
 def mmpipe_config(spec: ModelConfig, args: argparse.Namespace, run_dir: Path, budget_gb: float | None) -> RunConfig:
@@ -203,6 +210,8 @@ def run_mmpipe(
         sync(device)
         times.append(time.perf_counter() - t0)
         log(f"mmpipe step {step}: {times[-1]:.3f} s, loss {record.get('loss', float('nan')):.4f}")
+    if args.profile:
+        RESULT["profile_mmpipe"] = top_kernels(lambda: loop.train_step(args.warmup + args.steps))
     return times[args.warmup :], policy
 
 
@@ -224,6 +233,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--budget-gb", type=float, default=None, help="mmpipe's DiT memory budget (default: the GPU's)")
     p.add_argument("--no-policy", action="store_true", help="mmpipe keeps every activation (no memory policy)")
     p.add_argument("--compile", action="store_true", help="mmpipe with model.compile=true (regional compilation)")
+    p.add_argument("--profile", action="store_true", help="one more step a side under torch.profiler: top kernels")
     args = p.parse_args(argv)
     if args.tiny:
         args.frames, args.height, args.width = min(args.frames, 9), min(args.height, 64), min(args.width, 64)

@@ -137,6 +137,24 @@ def build_profiler(cfg: TraceConfig, out_dir: Path, rank: int) -> torch.profiler
     )
 
 
+def top_kernels(fn: Callable[[], Any], *, top: int = 12) -> list[dict[str, Any]]:
+    """Run ``fn`` once under ``torch.profiler`` and return its ``top`` operators by self time: on a
+    GPU the device kernels (``device_ms``), else CPU operators (``cpu_ms``), each with its call count.
+    For benchmarks that must say where their time goes."""
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, key, 0.0), reverse=True)
+    unit = "device_ms" if cuda else "cpu_ms"
+    rows = [{"name": e.key[:120], unit: getattr(e, key, 0.0) / 1e3, "calls": e.count} for e in events[:top]]
+    _leak_results(prof)
+    return rows
+
+
 def _leak_results(prof: torch.profiler.profile) -> None:
     """Keep the profiler's kineto result alive until the process ends, deliberately.
 
