@@ -29,7 +29,10 @@ def _process_state() -> dict[str, object]:
 
     return {
         "torch threads": torch.get_num_threads(),
-        "environment": {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"},  # pytest's own
+        # pytest's own variable, and what Inductor's compiled code keeps there for itself
+        "environment": {
+            k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST" and not k.startswith("_TORCHINDUCTOR")
+        },
         "kernel choice": registry.chosen(),
         "default dtype": torch.get_default_dtype(),
         "grad mode": torch.is_grad_enabled(),
