@@ -535,10 +535,10 @@ def train(cfg: RunConfig) -> TrainResult:
         )
     if cfg.model.path is not None:  # refused before a run directory is written
         check_pipeline_dir(cfg.model.path, key="model.path")
-    run_devices(cfg)  # no GPU for device=cuda, or too few for NCCL: refused before anything is written
+    devices = run_devices(cfg)  # no GPU for device=cuda, or too few for NCCL: refused before anything is written
     check_placement(cfg)
     choice = kernel_choice(cfg)  # an unavailable kernel is an error before anything is written
-    if "triton" in dataclasses.astuple(choice) and run_devices(cfg).device is DeviceType.CPU:
+    if "triton" in dataclasses.astuple(choice) and devices.device is DeviceType.CPU:
         logger.warning("model.kernels: the Triton kernels run in Triton's CPU interpreter here (tests only: very slow)")
     run_dir, graph, cfg = prepare_run(cfg)
     train_plan, _ = make_plans(graph, cfg)
