@@ -42,14 +42,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from mmpipe.cli import compose_config
-from mmpipe.config import ModelConfig, from_dict
+from mmpipe.config import ModelConfig, compose_config, from_dict
 from mmpipe.devices import resolve_device
-from mmpipe.generate import apply_kernels
 from mmpipe.kernels import registry as kernels
-from mmpipe.pipelines import T2VGraph, from_diffusers, place_graph
-from mmpipe.presets import build_full_wan_pipeline
+from mmpipe.models.wan import T2VGraph, build_full_wan_pipeline, from_diffusers, place_graph
 from mmpipe.report.recording import top_kernels
+from mmpipe.runtime.trained import apply_kernels
 
 PROMPT = "a red fox running through fresh snow in a quiet pine forest at sunrise"
 NEGATIVE = "blurry static low quality distorted overexposed watermark text"

@@ -48,11 +48,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from mmpipe.cli import compose_config
-from mmpipe.config import ModelConfig, ServeConfig, from_dict
+from mmpipe.config import ModelConfig, ServeConfig, compose_config, from_dict
 from mmpipe.data import frames_to_uint8
 from mmpipe.devices import resolve_device
-from mmpipe.presets import build_full_wan_pipeline
+from mmpipe.models.wan import build_full_wan_pipeline
 
 PROMPTS = [
     "a red fox running through fresh snow in a quiet pine forest at sunrise",

@@ -47,18 +47,18 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from mmpipe.cli import compose_config
-from mmpipe.config import ModelConfig, RunConfig, from_dict
+from mmpipe.assemble.graphs import sample_inputs
+from mmpipe.assemble.placement import make_plans, write_plans
+from mmpipe.config import ModelConfig, RunConfig, compose_config, from_dict
 from mmpipe.data import MovingShapesDataset, caption_vocabulary
 from mmpipe.graph import Graph, TensorSpec
-from mmpipe.pipelines import T2V_TRAIN_EDGES, build_text_stage
-from mmpipe.presets import build_full_wan_pipeline
+from mmpipe.models.wan import T2V_TRAIN_EDGES, build_full_wan_pipeline, build_text_stage
 from mmpipe.report.recording import top_kernels
 from mmpipe.sched.cost import measure_graph_costs
 from mmpipe.stages import WanDiTFlowMatchingStage, WanVAEEncodeStage
 from mmpipe.stages.dit import sample_flow_matching
-from mmpipe.train import Collator, start_rank
-from mmpipe.workloads import sample_inputs
+from mmpipe.train.data import Collator
+from mmpipe.train.loop import start_rank
 
 H200_BF16_PEAK = 989e12  # dense bf16 FLOP/s (configs/cluster/h200_8.yaml)
 RESULT: dict[str, Any] = {}
@@ -197,6 +197,9 @@ def run_mmpipe(
 ) -> tuple[list[float], dict[str, Any]]:
     """Seconds per step of mmpipe's training loop, and the DiT group's activation policy."""
     device = torch.device(args.device)
+    assert cfg.run_dir is not None
+    Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
+    write_plans(Path(cfg.run_dir), *make_plans(graph, cfg))  # what prepare_run writes for the loop to read
     loop = start_rank(cfg, graph, rank=0, world_size=1)
     loop.train_set = clips  # type: ignore[assignment]  # the clips drawn once, as the baseline reads them
     group = loop.train_plan.groups["dit"]

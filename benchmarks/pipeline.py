@@ -21,9 +21,10 @@ import time
 from pathlib import Path
 
 from mmpipe.config import DataConfig, LaunchConfig, RunConfig, TrainConfig
+from mmpipe.rundir import read_metrics
 from mmpipe.runtime.events import read_events
 from mmpipe.sched.simulator import bubble_fractions
-from mmpipe.train import read_metrics, train
+from mmpipe.train import train
 
 # The VAE encode costs about what the DiT's forward + backward does at the embedded sizes, and the
 # text encoder little: "balanced" gives each rank half the work.

@@ -24,15 +24,18 @@ import tempfile
 import time
 from pathlib import Path
 
-from mmpipe.cli import compose_config
-from mmpipe.config import DataConfig, LaunchConfig, ModelConfig, RunConfig, TrainConfig, from_dict
-from mmpipe.planning import build_workload, predict, profile
+from mmpipe.assemble.placement import default_placement
+from mmpipe.assemble.planning import build_workload, predict
+from mmpipe.config import DataConfig, LaunchConfig, ModelConfig, RunConfig, TrainConfig, compose_config, from_dict
+from mmpipe.models import build_training_graph
+from mmpipe.rundir import pipeline_dir
 from mmpipe.runtime.events import read_events
 from mmpipe.sched.cluster import Cluster
 from mmpipe.sched.plan import parse_placement
 from mmpipe.sched.planner import Planner, summarize
 from mmpipe.sched.simulator import measured_step_time
-from mmpipe.train import build_training_graph, default_placement, pipeline_dir, train
+from mmpipe.train import train
+from mmpipe.train.profile import profile
 
 WORKLOADS = ("wan14b_t2v", "hunyuan_t2v", "u2g_full")
 CLUSTERS = ("h200_64", "h200_512", "h200_4096", "h200_nvl72_64", "h200_nvl72_512", "h200_nvl72_4096")

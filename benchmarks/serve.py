@@ -38,7 +38,7 @@ from diffusers import WanPipeline
 
 from mmpipe.config import ModelConfig, ServeConfig
 from mmpipe.data import caption_vocabulary, frames_to_uint8
-from mmpipe.presets import save_tiny_wan_pipeline
+from mmpipe.models.wan import save_tiny_wan_pipeline
 from mmpipe.serve.engine import Engine
 from mmpipe.serve.server import HttpServer, bind
 

@@ -23,10 +23,29 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Protocol
 
 from mmpipe.memory.policy import BlockPolicy
-from mmpipe.sched.cluster import FILE_TIER_BYTES_PER_S
-from mmpipe.sched.cost import StageCost
+
+# What the file tier (``mmpipe.memory.policy.FileTier``, the CPU runtime's activation offload) is
+# priced at: the order of a local NVMe's sequential write/read bandwidth.
+FILE_TIER_BYTES_PER_S = 1e9
+
+
+class BlockCosts(Protocol):
+    """One sample's costs of a stage with repeated blocks (the cost model's ``StageCost`` is one)."""
+
+    @property
+    def blocks(self) -> int: ...
+    @property
+    def block_activation_bytes(self) -> float: ...
+    @property
+    def block_input_bytes(self) -> float: ...
+    @property
+    def activation_bytes(self) -> float: ...
+    @property
+    def block_flops(self) -> float: ...
+
 
 __all__ = ["FILE_TIER_BYTES_PER_S", "BlockPricing", "PolicyChoice", "choose_policies"]
 
@@ -50,7 +69,7 @@ class BlockPricing:
     @classmethod
     def from_cost(
         cls,
-        cost: StageCost,
+        cost: BlockCosts,
         *,
         rows: float = 1.0,
         flops_per_s: float,

@@ -46,9 +46,9 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from mmpipe.assemble.planning import plan
     from mmpipe.graph import Capabilities, Edge, Graph, Stage, TensorSpec
-    from mmpipe.pipelines import T2VGraph, from_diffusers
-    from mmpipe.planning import plan
+    from mmpipe.models.wan import T2VGraph, from_diffusers
     from mmpipe.train import train
 
 

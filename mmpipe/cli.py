@@ -13,12 +13,11 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from hydra import compose, initialize_config_module
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from mmpipe.config import GenerateConfig, PlanConfig, ProfileConfig, RunConfig, ServeConfig, from_dict
+from mmpipe.config import GenerateConfig, PlanConfig, ProfileConfig, RunConfig, ServeConfig, compose_config, from_dict
 
 USAGE = """usage: mmpipe COMMAND [key=value ...] [--cfg] [--json]
 
@@ -34,21 +33,12 @@ Overrides use Hydra syntax: model=t2v_tiny_qwen train.steps=50 data.root=/videos
 --cfg prints the composed config and exits; --json (plan) prints the plan as JSON."""
 
 
-def compose_config(command: str, overrides: Sequence[str]) -> dict[str, Any]:
-    """The composed config of ``command`` as a plain dict (Hydra compose API, struct mode)."""
-    with initialize_config_module(config_module="mmpipe.configs", version_base="1.3"):
-        cfg = compose(config_name=command, overrides=list(overrides))
-    container = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
-    assert isinstance(container, dict)
-    return {str(k): v for k, v in container.items()}
-
-
 def _run_train(raw: dict[str, Any]) -> None:
     cfg = from_dict(RunConfig, raw)  # validate before the heavy imports
     if cfg.launch.nproc > 1:
         from mmpipe.runtime import procs
 
-        procs.start_server()
+        procs.start_server(["mmpipe.train.worker"])  # imports overlap the run directory's preparation
     from mmpipe.train import train
 
     result = train(cfg)
@@ -69,7 +59,7 @@ def _run_serve(raw: dict[str, Any]) -> None:
     cfg = from_dict(ServeConfig, raw)
     from mmpipe.runtime import procs
 
-    procs.start_server()  # the serving groups' processes
+    procs.start_server(["mmpipe.serve.engine"])  # the serving groups' processes
     from mmpipe.serve.server import serve
 
     serve(cfg)
@@ -79,7 +69,7 @@ def _run_plan(raw: dict[str, Any]) -> None:
     cfg = from_dict(PlanConfig, raw)
     import json
 
-    from mmpipe.planning import default_calibration_path, plan_from_config, report_json
+    from mmpipe.assemble.planning import default_calibration_path, plan_from_config, report_json
 
     if cfg.calibration is None and cfg.cluster.get("name") == "local" and default_calibration_path().is_file():
         cfg.calibration = str(default_calibration_path())
@@ -94,8 +84,9 @@ def _run_plan(raw: dict[str, Any]) -> None:
 
 def _run_profile(raw: dict[str, Any]) -> None:
     cfg = from_dict(ProfileConfig, raw)
+    from mmpipe.assemble.planning import default_calibration_path
     from mmpipe.devices import resolve_device
-    from mmpipe.planning import default_calibration_path, profile
+    from mmpipe.train.profile import profile
 
     resolve_device(cfg.device)  # device=cuda without a GPU: refused before the runs start
 
@@ -173,8 +164,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"mmpipe {command}: error: {_first_line(err)}", file=sys.stderr)
         return 2
     except RuntimeError as err:
-        from mmpipe.runtime.executor import ExecutionError, NonFiniteError
-        from mmpipe.runtime.launch import WorkerFailure
+        from mmpipe.errors import NonFiniteError, WorkerFailure
+        from mmpipe.runtime.executor import ExecutionError
         from mmpipe.serve.engine import ServeStartError
 
         if not isinstance(err, WorkerFailure | ExecutionError | NonFiniteError | ServeStartError):

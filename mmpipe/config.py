@@ -10,8 +10,13 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar
+
+import yaml
+from hydra import compose, initialize_config_module
+from omegaconf import OmegaConf
 
 T = TypeVar("T")
 
@@ -222,6 +227,23 @@ class TraceConfig:
         return self.wait + self.warmup + self.active
 
 
+def read_placement_file(path: str) -> dict[str, Any]:
+    """``placement=FILE``: the stage -> group mapping a JSON or YAML file holds, or the ``placement`` of
+    ``mmpipe plan --json`` saved to a file."""
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"placement={path!r}: expected auto, a mapping or a JSON / YAML file; no such file")
+    try:
+        raw = yaml.safe_load(file.read_text())  # JSON is YAML
+    except yaml.YAMLError as err:
+        raise ValueError(f"placement={path!r}: not JSON or YAML: {str(err).splitlines()[0]}") from None
+    if isinstance(raw, dict) and isinstance(raw.get("placement"), dict):
+        raw = raw["placement"]  # the whole report of mmpipe plan --json
+    if not isinstance(raw, dict) or not raw:
+        raise ValueError(f"placement={path!r}: the file holds no stage -> group mapping")
+    return {str(k): v for k, v in raw.items()}
+
+
 @dataclasses.dataclass(kw_only=True)
 class RunConfig:
     """Root config of ``mmpipe train``."""
@@ -233,8 +255,9 @@ class RunConfig:
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     launch: LaunchConfig = dataclasses.field(default_factory=LaunchConfig)
     # stage -> ranks: {text: [0], vae: [0], dit: {ranks: [1, 2], dp: 2}}; None: derived from launch.nproc;
-    # "auto": chosen by the planner for launch.nproc local ranks
-    placement: dict[str, Any] | Literal["auto"] | None = None
+    # "auto": chosen by the planner for launch.nproc local ranks; a path: a JSON or YAML file holding
+    # that mapping, or `mmpipe plan --json`'s output (its "placement" is used, unchanged)
+    placement: dict[str, Any] | str | None = None
     # stage -> sequence parallelism, applied to the stage's placed ranks (dp = ranks / (ulysses x ring))
     parallel: dict[str, StageParallelConfig] = dataclasses.field(
         default_factory=lambda: {"dit": StageParallelConfig(), "llm": StageParallelConfig()}
@@ -247,6 +270,8 @@ class RunConfig:
     profile: TraceConfig = dataclasses.field(default_factory=TraceConfig)
 
     def __post_init__(self) -> None:
+        if isinstance(self.placement, str) and self.placement != "auto":
+            self.placement = read_placement_file(self.placement)
         if self.profile.enabled and self.profile.window > self.train.steps:
             raise ValueError(
                 f"profile.enabled=true: the window wait={self.profile.wait} + warmup={self.profile.warmup} + "
@@ -497,3 +522,12 @@ def _type_name(tp: Any) -> str:
 def to_dict(cfg: Any) -> dict[str, Any]:
     """The plain-dict form of a config dataclass (for saving next to a run)."""
     return dataclasses.asdict(cfg)
+
+
+def compose_config(command: str, overrides: Sequence[str]) -> dict[str, Any]:
+    """The composed config of ``command`` as a plain dict (Hydra compose API, struct mode)."""
+    with initialize_config_module(config_module="mmpipe.configs", version_base="1.3"):
+        cfg = compose(config_name=command, overrides=list(overrides))
+    container = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    assert isinstance(container, dict)
+    return {str(k): v for k, v in container.items()}

@@ -11,11 +11,15 @@ edge tensors through pinned host buffers instead (the transport stages them; see
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+
+from mmpipe.config import RunConfig
 
 
 class DeviceType(enum.StrEnum):
@@ -107,3 +111,34 @@ def cuda_device(device: torch.device) -> Iterator[None]:
             yield
     else:
         yield
+
+
+@dataclasses.dataclass(frozen=True)
+class RunDevices:
+    """Where a run's ranks compute, how their tensors move, and in which precision."""
+
+    device: DeviceType
+    backend: Backend
+    precision: Precision
+
+    def rank_device(self) -> torch.device:
+        """This process's device: ``cuda:LOCAL_RANK`` (torchrun and the local launcher set it)."""
+        return rank_device(self.device, int(os.environ.get("LOCAL_RANK", "0")))
+
+    def wire(self) -> torch.device | None:
+        """Where edge payloads travel: the GPU under NCCL, the host under gloo (None: CPU ranks)."""
+        if self.device is DeviceType.CPU:
+            return None
+        return torch.device("cpu") if self.backend.staged else self.rank_device()
+
+
+def run_devices(cfg: RunConfig, *, local_ranks: int | None = None) -> RunDevices:
+    """``device``, ``launch.backend`` and ``train.precision`` resolved for this machine; a CUDA
+    request without a GPU, or more NCCL ranks than GPUs, is a ``ValueError`` naming the key."""
+    device = resolve_device(cfg.device)
+    nproc = cfg.launch.nproc if local_ranks is None else local_ranks
+    backend = resolve_backend(device, cfg.launch.backend, local_ranks=nproc)
+    precision = Precision.BF16 if device is DeviceType.CUDA else Precision.FP32
+    if cfg.train.precision != "auto":
+        precision = Precision(cfg.train.precision)
+    return RunDevices(device, backend, precision)

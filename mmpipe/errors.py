@@ -29,3 +29,15 @@ def loading_errors(where: str) -> Iterator[None]:
         if isinstance(err, ValueError) and str(err).startswith(where):
             raise
         raise ValueError(f"{where}: cannot load it: {cause(err)}") from err
+
+
+class PlanError(ValueError):
+    """A plan that cannot run; the message carries the rank x step table."""
+
+
+class NonFiniteError(RuntimeError):
+    """A trained stage's loss or gradient is NaN or infinite (``train.nonfinite=stop``)."""
+
+
+class WorkerFailure(RuntimeError):
+    """A launched worker died or raised; the message is the first failure's (with its plan table)."""

@@ -8,64 +8,18 @@ run's ``model.kernels`` for CUDA (``auto``: mmpipe's Triton kernels).
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import shutil
 from pathlib import Path
 
 import torch
 
-from mmpipe.checkpoint import latest_checkpoint, load_latest_weights
-from mmpipe.config import GenerateConfig, RunConfig
+from mmpipe.config import GenerateConfig
 from mmpipe.data import frames_to_uint8, write_gif, write_mp4
-from mmpipe.devices import DeviceType, resolve_device
-from mmpipe.errors import loading_errors
-from mmpipe.kernels import registry as kernels
-from mmpipe.kernels.wan import use_kernels
-from mmpipe.pipelines import T2VGraph, check_pipeline_dir, from_diffusers
+from mmpipe.devices import resolve_device
 from mmpipe.report.recording import record_generation
-from mmpipe.train import load_run_config, pipeline_dir
-
-
-def check_trained_run(run_dir: Path, *, key: str = "ckpt") -> None:
-    """Refuse, before any weights load or worker starts, a ``run_dir`` that
-    :func:`load_trained_graph` cannot use: no run config, a missing or unusable pipeline directory,
-    or no checkpoint yet (``ValueError`` naming ``key``)."""
-    cfg = load_run_config(run_dir)
-    check_pipeline_dir(pipeline_dir(cfg.model, run_dir), key=f"{key}={str(run_dir)!r}: pipeline")
-    if latest_checkpoint(run_dir) is None:
-        raise ValueError(f"{key}={str(run_dir)!r}: the run has no checkpoint yet (train.ckpt_every saves them)")
-
-
-def load_trained_graph(run_dir: Path, device: DeviceType = DeviceType.CPU) -> T2VGraph:
-    """The run's inference graph on ``device`` (bf16 text encoder and DiT on CUDA, as
-    :func:`~mmpipe.pipelines.place_graph` places them) with the DiT weights of its latest
-    checkpoint and the run's ``model.kernels`` resolved for ``device``."""
-    cfg = load_run_config(run_dir)
-    choice = generation_kernels(cfg, device)  # an unavailable kernel is an error before any load
-    with loading_errors(f"ckpt={str(run_dir)!r}"):
-        graph = from_diffusers(
-            pipeline_dir(cfg.model, run_dir), max_sequence_length=cfg.model.text_len, device=device.value
-        )
-        # The training graph's DiT stage is named "dit"; its weights become the denoiser's (DCP
-        # copies the saved float32 tensors into the placed ones, casting to their dtype).
-        load_latest_weights(run_dir, {"dit": graph.denoise.module})
-    apply_kernels(graph, choice)
-    return graph
-
-
-def generation_kernels(cfg: RunConfig, device: DeviceType) -> kernels.KernelChoice:
-    """The run's ``model.kernels`` resolved for the device that generates (``auto``: Triton on
-    CUDA), not for the one it trained on: a run trained on CPU generates with Triton on a GPU."""
-    choice = kernels.KernelChoice(**dataclasses.asdict(cfg.model.kernels))
-    return kernels.resolve(choice, device.value)
-
-
-def apply_kernels(graph: T2VGraph, choice: kernels.KernelChoice) -> None:
-    """Install ``choice`` for this process and swap its kernels into the denoiser's DiT."""
-    kernels.configure(choice)
-    if choice != kernels.KernelChoice():
-        use_kernels(graph.denoise.module, choice)
+from mmpipe.rundir import load_run_config
+from mmpipe.runtime.trained import check_trained_run, load_trained_graph
 
 
 def generate(cfg: GenerateConfig) -> dict[str, Path]:

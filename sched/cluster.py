@@ -17,6 +17,8 @@ from importlib import resources
 
 import yaml
 
+from mmpipe.memory.budget import FILE_TIER_BYTES_PER_S
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Level:
@@ -25,11 +27,6 @@ class Level:
     name: str
     size: int
     bandwidth: float
-
-
-# What the file tier (``mmpipe.memory.policy.FileTier``, the CPU runtime's activation offload) is
-# priced at: the order of a local NVMe's sequential write/read bandwidth.
-FILE_TIER_BYTES_PER_S = 1e9
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

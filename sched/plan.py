@@ -25,10 +25,9 @@ import functools
 import re
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from typing import Any
 
-
-class PlanError(ValueError):
-    """A plan that cannot run; the message carries the rank x step table."""
+from mmpipe.errors import PlanError
 
 
 class ActionKind(enum.StrEnum):
@@ -519,12 +518,31 @@ def overlapping_ranks(group: DeviceGroup, rank: int, other: DeviceGroup, batch: 
     return list(other.ranks[first * other.sp : last * other.sp])
 
 
+def placement_config(placement: Mapping[str, DeviceGroup]) -> dict[str, dict[str, Any]]:
+    """``{stage: DeviceGroup}`` -> its config form, every field spelled out; the inverse of
+    :func:`parse_placement` (``parse_placement(placement_config(p)) == p``)."""
+    return {
+        stage: {
+            "ranks": list(g.ranks),
+            "dp": g.dp,
+            "ulysses": g.ulysses,
+            "ring": g.ring,
+            "recompute": g.recompute,
+            "offload": g.offload,
+            "gather_once": g.gather_once,
+            "blocks": g.blocks,
+        }
+        for stage, g in placement.items()
+    }
+
+
 def parse_placement(raw: Mapping[str, Sequence[int] | Mapping[str, object]]) -> dict[str, DeviceGroup]:
     """``{text: [0], dit: {ranks: [1, 2], dp: 2}}`` -> ``{stage: DeviceGroup}`` (config form)."""
     out = {}
     for stage, spec in raw.items():
+        blocks = ""
         if isinstance(spec, Mapping):
-            allowed = {"ranks", "dp", "ulysses", "ring", "recompute", "offload", "gather_once"}
+            allowed = {"ranks", "dp", "ulysses", "ring", "recompute", "offload", "gather_once", "blocks"}
             unknown = set(spec) - allowed
             if unknown:
                 raise PlanError(f"placement.{stage}: unknown keys {sorted(unknown)} (allowed: {sorted(allowed)})")
@@ -544,6 +562,9 @@ def parse_placement(raw: Mapping[str, Sequence[int] | Mapping[str, object]]) -> 
             gather_once = spec.get("gather_once", False)
             if not isinstance(gather_once, bool):
                 raise PlanError(f"placement.{stage}.gather_once must be true or false, got {gather_once!r}")
+            blocks = spec.get("blocks") or ""
+            if not isinstance(blocks, str):
+                raise PlanError(f"placement.{stage}.blocks must be a string of k, o, r and s, got {blocks!r}")
         else:
             ranks, dp, extra, gather_once = spec, len(spec), {}, False
         if not isinstance(ranks, Sequence) or not all(isinstance(r, int) for r in ranks):
@@ -558,5 +579,6 @@ def parse_placement(raw: Mapping[str, Sequence[int] | Mapping[str, object]]) -> 
             recompute=extra.get("recompute", 0.0),
             offload=extra.get("offload", 0.0),
             gather_once=gather_once,
+            blocks=blocks,
         )
     return out

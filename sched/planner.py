@@ -44,10 +44,11 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from mmpipe.errors import PlanError
 from mmpipe.memory.budget import BlockPricing, choose_policies
 from mmpipe.sched.cluster import Cluster
 from mmpipe.sched.cost import StageCost
-from mmpipe.sched.plan import Action, ActionKind, DeviceGroup, Plan, PlanError, format_ranks
+from mmpipe.sched.plan import Action, ActionKind, DeviceGroup, Plan, format_ranks
 from mmpipe.sched.schedule import GraphInfo, ScheduleKind, backward_stages, build_plan
 from mmpipe.sched.simulator import bubble_fractions, simulate
 

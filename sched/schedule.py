@@ -19,7 +19,8 @@ from typing import Protocol
 
 import networkx as nx
 
-from mmpipe.sched.plan import Action, ActionKind, DeviceGroup, Plan, PlanError, overlapping_ranks
+from mmpipe.errors import PlanError
+from mmpipe.sched.plan import Action, ActionKind, DeviceGroup, Plan, overlapping_ranks
 
 
 class ScheduleKind(enum.StrEnum):

@@ -19,7 +19,8 @@ from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from mmpipe.sched.plan import Action, ActionKind, Plan, PlanError, send_window, transfer_key
+from mmpipe.errors import PlanError
+from mmpipe.sched.plan import Action, ActionKind, Plan, send_window, transfer_key
 
 CostFn = Callable[[Action], float]  # seconds an action keeps its rank busy
 COMPUTE = (ActionKind.F, ActionKind.B, ActionKind.STEP)

@@ -30,8 +30,8 @@ from mmpipe.graph import Capabilities, TensorSpec
 from mmpipe.kernels.registry import KernelChoice
 from mmpipe.kernels.wan import GridRotary, use_kernels
 from mmpipe.parallel.modules import JointSequenceParallelProcessor, SequenceParallelProcessor, SequenceState
+from mmpipe.parallel.reshard import Region
 from mmpipe.parallel.sequence import SequenceMesh, check_heads
-from mmpipe.runtime.reshard import Region
 from mmpipe.stages._source import ModuleSource, SourcedStage
 
 

@@ -18,7 +18,7 @@ import pytest
 
 from mmpipe.config import ModelConfig
 from mmpipe.data import caption_vocabulary
-from mmpipe.presets import save_tiny_wan_pipeline
+from mmpipe.models.wan import save_tiny_wan_pipeline
 
 
 def _process_state() -> dict[str, object]:

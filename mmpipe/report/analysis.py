@@ -26,8 +26,17 @@ from typing import Any
 
 import yaml
 
+from mmpipe.assemble.graphs import planning_graph
+from mmpipe.assemble.placement import make_plans
+from mmpipe.assemble.planning import build_workload, default_calibration_path, predict
 from mmpipe.config import RunConfig, from_dict
+from mmpipe.errors import PlanError
+from mmpipe.rundir import PLAN_FILE
 from mmpipe.runtime.events import read_events
+from mmpipe.sched.cluster import Cluster
+from mmpipe.sched.plan import Plan
+from mmpipe.sched.planner import Calibration, Workload
+from mmpipe.sched.simulator import calibrate, simulate
 
 COMPUTE = frozenset({"F", "B", "STEP"})
 TRANSFER = frozenset({"SEND", "RECV", "SENDG", "RECVG"})
@@ -44,6 +53,7 @@ class Run:
     metrics: list[dict[str, Any]]
     config: RunConfig | None
     config_error: str | None = None
+    plan: Plan | None = None  # plan.txt: the training plan the run ran (runs of mmpipe before it: None)
 
     @property
     def name(self) -> str:
@@ -67,7 +77,14 @@ def load_run(run_dir: Path) -> Run:
             config = from_dict(RunConfig, yaml.safe_load(path.read_text()))
         except ValueError as err:  # a config of an older mmpipe: the report goes on without it
             error = f"config.yaml not readable as a train config: {err}"
-    return Run(run_dir, events, read_memory(run_dir), read_jsonl(run_dir / "metrics.jsonl"), config, error)
+    plan = None
+    if (run_dir / PLAN_FILE).is_file():
+        try:
+            plan = Plan.from_text((run_dir / PLAN_FILE).read_text())
+        except PlanError as err:
+            error = f"{PLAN_FILE} unreadable: {err}"
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    return Run(run_dir, events, read_memory(run_dir), metrics, config, error, plan)
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -406,39 +423,30 @@ def summarize(run: Run, *, predict: bool = True) -> Summary:
     )
 
 
-def _workload(cfg: RunConfig) -> tuple[Any, Any]:
+def _workload(cfg: RunConfig) -> tuple[Workload, Cluster]:
     """The run's costed workload (stage FLOPs on the meta device) and its local cluster."""
-    from mmpipe.planning import build_workload
-    from mmpipe.sched.cluster import Cluster
-
     _, workload = build_workload(cfg.model, cfg.data, cfg.train.batch_size)
     return workload, Cluster.local(cfg.launch.nproc)
 
 
-def predict_run(run: Run, workload: Any, cluster: Any) -> Prediction:
-    """The planner's prediction for the run's placement (``benchmarks/planner.py``'s path), and the
-    simulator replaying the run's plan with its measured median durations."""
-    from mmpipe.planning import default_calibration_path, predict
-    from mmpipe.sched.plan import parse_placement
-    from mmpipe.sched.planner import Calibration
-    from mmpipe.sched.simulator import calibrate, simulate
-    from mmpipe.train import apply_parallel, default_placement, make_plans
-    from mmpipe.workloads import planning_graph
-
+def predict_run(run: Run, workload: Workload, cluster: Cluster) -> Prediction:
+    """The planner's prediction for the plan the run ran (``plan.txt``: its placement with the
+    sequence parallelism and the ``memory.<stage>`` policies applied; ``benchmarks/planner.py``'s
+    path), and the simulator replaying that plan with the run's measured median durations."""
     cfg = run.config
     assert cfg is not None
-    graph, _ = planning_graph(cfg.model, cfg.data)
-    nproc = cfg.launch.nproc
-    if cfg.placement == "auto":
-        raise ValueError("placement=auto was not resolved in config.yaml")
-    groups = parse_placement(cfg.placement) if cfg.placement else default_placement(graph, nproc)
+    plan = run.plan
+    if plan is None:  # a run of an mmpipe that wrote no plan.txt: its plan made again from its config
+        if cfg.placement == "auto":
+            raise ValueError("placement=auto was not resolved in config.yaml")
+        graph, _ = planning_graph(cfg.model, cfg.data)
+        plan, _ = make_plans(graph, cfg)
     path = default_calibration_path()
     calibration = Calibration.load(path) if path.is_file() else None
-    predicted = predict(workload, cluster, apply_parallel(groups, cfg.parallel), cfg.train.micro_batches, calibration)
+    predicted = predict(workload, cluster, plan.groups, cfg.train.micro_batches, calibration)
     replay_step = replay_bubble = None
     window = steady_window(run.events)
     if window is not None and window.last > 1:
-        plan, _ = make_plans(graph, cfg)
         sim = simulate(plan, calibrate(run.events, first_step=window.first), steps=4)
         replay_step = sim.step_time
         replay_bubble = sum(sim.bubble.values()) / len(sim.bubble) if sim.bubble else None

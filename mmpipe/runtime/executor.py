@@ -29,17 +29,18 @@ from torch.autograd.profiler import record_function
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from mmpipe.devices import Precision, autocast
+from mmpipe.errors import NonFiniteError, PlanError
 from mmpipe.graph import INPUT, Edge, Graph
 from mmpipe.kernels import registry as kernels
 from mmpipe.memory.host import HostTier
 from mmpipe.memory.policy import BLOCK_LETTERS, BlockPolicy, FileTier, Tier, apply_block_policies, block_policies
+from mmpipe.parallel.reshard import Region
 from mmpipe.parallel.sequence import SequenceLayout
 from mmpipe.runtime.events import EventRecorder
 from mmpipe.runtime.mesh import MeshOwner
-from mmpipe.runtime.reshard import Region
 from mmpipe.runtime.transport import isend_message, nbytes, recv_tensors
 from mmpipe.sched.cost import repeated_blocks
-from mmpipe.sched.plan import Action, ActionKind, Plan, PlanError, check_split, overlapping_ranks, send_window
+from mmpipe.sched.plan import Action, ActionKind, Plan, check_split, overlapping_ranks, send_window
 
 BatchFn = Callable[[int], dict[str, torch.Tensor]]  # micro-batch index -> full micro-batch graph inputs
 OptionsFn = Callable[[str, int, tuple[int, int, int]], dict[str, Any]]  # stage, mb, rows -> forward options
@@ -47,10 +48,6 @@ OptionsFn = Callable[[str, int, tuple[int, int, int]], dict[str, Any]]  # stage,
 
 class ExecutionError(RuntimeError):
     """An action failed at run time; the message carries this rank's plan table."""
-
-
-class NonFiniteError(RuntimeError):
-    """A trained stage's loss or gradient is NaN or infinite (``train.nonfinite=stop``)."""
 
 
 @dataclasses.dataclass

@@ -1,11 +1,11 @@
-"""Local multi-process launch with torch's elastic agent, and the worker entry point.
+"""Local multi-process launch with torch's elastic agent (the caller gives the workers' entry).
 
 ``mmpipe train launch.nproc=N`` calls :func:`launch_local`: N workers on this machine with a c10d
 rendezvous on 127.0.0.1, restarted as a group up to ``launch.max_restarts`` times (workers then
 resume from the last checkpoint). Across machines, run the same worker module under torchrun::
 
     torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
-        -m mmpipe.runtime.worker run_dir=/shared/run launch.nproc=4 placement=...
+        -m mmpipe.train.worker run_dir=/shared/run launch.nproc=4 placement=...
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import json
 import os
 import socket
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,13 +23,10 @@ from torch.distributed.launcher.api import LaunchConfig as ElasticConfig
 from torch.distributed.launcher.api import elastic_launch
 
 from mmpipe.config import RunConfig, to_dict
+from mmpipe.errors import WorkerFailure
 from mmpipe.runtime import procs
 
 _OWN_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
-
-
-class WorkerFailure(RuntimeError):
-    """A launched worker died or raised; the message is the first failure's (with its plan table)."""
 
 
 def free_port() -> int:
@@ -38,10 +36,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def launch_local(cfg: RunConfig) -> None:
-    """Run ``cfg.launch.nproc`` workers of ``mmpipe.runtime.worker.run`` and wait for them."""
-    from mmpipe.runtime.worker import run
+# A worker's entry: (the RunConfig as a dict, the launcher's environment) -> None. A module-level
+# function, so that the forkserver's children can import it by name.
+WorkerEntry = Callable[[dict[str, Any], dict[str, str]], None]
 
+
+def launch_local(cfg: RunConfig, entry: WorkerEntry) -> None:
+    """Run ``cfg.launch.nproc`` workers of ``entry`` (e.g. :func:`mmpipe.train.worker.run`) and wait for them."""
     port = cfg.launch.master_port or free_port()
     elastic = ElasticConfig(
         min_nodes=1,
@@ -60,9 +61,9 @@ def launch_local(cfg: RunConfig) -> None:
     # agent sets variables of its own here too (TORCHELASTIC_*): all are undone when it returns.
     saved = dict(os.environ)
     os.environ[_OWN_STORE] = "1"
-    procs.context()  # the agent's workers come from the preloading forkserver
+    procs.context([entry.__module__])  # the agent's workers come from the preloading forkserver
     try:
-        elastic_launch(elastic, run)(to_dict(cfg), procs.environment())
+        elastic_launch(elastic, entry)(to_dict(cfg), procs.environment())
     except ChildFailedError as err:
         recorded = _recorded_failure(Path(cfg.run_dir)) if cfg.run_dir else None
         killed = any(f.exitcode < 0 for f in err.failures.values())  # by a signal: it recorded nothing

@@ -66,7 +66,7 @@ def _worker(rank: int, port: int, queue: mp.SimpleQueue, env: dict[str, str]) ->
 def probe_transport() -> dict[str, float]:
     """Two local ranks' ``latency_s`` / ``bandwidth`` (one point-to-point message) and
     ``collective_latency_s`` / ``collective_bandwidth`` (an all-gather over both, by output bytes)."""
-    queue = procs.context().SimpleQueue()
+    queue = procs.context([__name__]).SimpleQueue()
     mp.start_processes(
         _worker, args=(free_port(), queue, procs.environment()), nprocs=2, start_method=procs.START_METHOD
     )

@@ -16,26 +16,26 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.forkserver
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.context import ForkServerContext
 from typing import Final
 
 START_METHOD: Final = "forkserver"
-# Imported once by the server: everything a worker needs (torch, diffusers, transformers).
-PRELOAD = ("mmpipe.runtime.worker", "mmpipe.train", "mmpipe.serve.engine")
 _NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
 
 
-def context() -> ForkServerContext:
+def context(preload: Sequence[str] = ()) -> ForkServerContext:
     """The multiprocessing context for mmpipe's local workers (the preloading forkserver, started)."""
-    start_server()
+    start_server(preload)
     return multiprocessing.get_context(START_METHOD)
 
 
-def start_server() -> None:
+def start_server(preload: Sequence[str] = ()) -> None:
     """Start the server now (a no-op once it runs): its imports (seconds) then overlap the caller's
-    own work before the first launch, e.g. the CLI's imports and the run directory's preparation."""
-    multiprocessing.set_forkserver_preload(list(PRELOAD))
+    own work before the first launch, e.g. the CLI's imports and the run directory's preparation.
+    ``preload``: the modules of the workers' entry functions (the server imports them once, with
+    everything they need: torch, diffusers, transformers); the first start decides."""
+    multiprocessing.set_forkserver_preload(list(preload))
     # A library that asks torch.cuda.is_available() while the server preloads it would initialise
     # the CUDA driver there, and CUDA does not survive a fork: children could not use their GPU.
     # NVML answers the question without initialising CUDA (torch's documented switch for this); set

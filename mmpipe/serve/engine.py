@@ -107,10 +107,10 @@ GraphFactory = Callable[[dict[str, Any]], Any]  # (source spec) -> T2VGraph, run
 def default_graph(spec: dict[str, Any]) -> Any:
     """The inference graph of a source spec: a trained run (``ckpt``), or a pipeline directory (on
     CUDA loaded in serving precision, as diffusers loads it; see :mod:`mmpipe.serve.placement`)."""
-    from mmpipe.pipelines import from_diffusers
+    from mmpipe.models.wan import from_diffusers
 
     if spec.get("ckpt"):
-        from mmpipe.generate import load_trained_graph
+        from mmpipe.runtime.trained import load_trained_graph
 
         return load_trained_graph(Path(spec["ckpt"]))
     with loading_errors(f"pipeline={str(spec['pipeline'])!r}"):
@@ -206,10 +206,10 @@ class Engine:
     def _source_spec(self, cfg: ServeConfig) -> dict[str, Any]:
         """What each worker builds its graph from, checked here so that a bad directory is refused
         before any worker starts."""
-        from mmpipe.pipelines import check_pipeline_dir
+        from mmpipe.models.wan import check_pipeline_dir
 
         if cfg.ckpt:
-            from mmpipe.generate import check_trained_run
+            from mmpipe.runtime.trained import check_trained_run
 
             check_trained_run(Path(cfg.ckpt))
             return {"ckpt": cfg.ckpt}
@@ -217,7 +217,7 @@ class Engine:
             check_pipeline_dir(cfg.pipeline)
             return {"pipeline": cfg.pipeline, "text_len": cfg.text_len or 512}  # WanPipeline.__call__'s default
         from mmpipe.data import caption_vocabulary
-        from mmpipe.presets import save_tiny_wan_pipeline
+        from mmpipe.models.wan import save_tiny_wan_pipeline
 
         if cfg.model.path is not None:
             check_pipeline_dir(cfg.model.path, key="model.path")
@@ -235,7 +235,7 @@ class Engine:
         from mmpipe.runtime.launch import free_port
 
         cfg = self.cfg
-        ctx = procs.context()
+        ctx = procs.context([__name__])
         world = cfg.groups
         init = {
             "port": free_port(),
@@ -554,7 +554,6 @@ def _worker_main(
     """Entry point of one group's process."""
     import signal
 
-    import mmpipe  # noqa: F401  (sets TRITON_INTERPRET before diffusers imports triton)
     from mmpipe.serve.placement import place_stages
 
     procs.adopt_environment(init["env"])

@@ -48,7 +48,7 @@ def place_stages(graph: Any, device: torch.device, stages: Collection[str]) -> N
     ``device`` in its serving precision (:func:`mmpipe.pipelines.component_dtypes`); the other
     stages' modules stay on the host, where a group that never runs them leaves them. On CPU
     nothing is touched (float32, as loaded)."""
-    from mmpipe.pipelines import component_dtypes, place_module
+    from mmpipe.models.wan import component_dtypes, place_module
 
     if device.type == "cpu":
         return

@@ -14,10 +14,11 @@ import psutil
 import torch
 from diffusers import WanTransformer3DModel
 
-from mmpipe.checkpoint import latest_checkpoint, load_latest_weights
+from mmpipe.rundir import latest_checkpoint
+from mmpipe.runtime.checkpoint import load_latest_weights
 from mmpipe.runtime.events import read_events
 from mmpipe.runtime.launch import free_port
-from mmpipe.train import read_metrics
+from mmpipe.rundir import read_metrics
 
 SMALL = [
     "data.frames=9",

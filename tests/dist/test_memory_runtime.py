@@ -12,7 +12,8 @@ from test_parity import dit_params
 
 from mmpipe.config import DataConfig, LaunchConfig, RunConfig, StageMemoryConfig, TrainConfig
 from mmpipe.runtime.events import read_events
-from mmpipe.train import read_metrics, train
+from mmpipe.rundir import read_metrics
+from mmpipe.train import train
 
 
 def _run(run_dir: Path, nproc: int, placement: dict | None, memory: dict | None = None) -> None:

@@ -13,10 +13,11 @@ import pytest
 import torch
 from diffusers import WanTransformer3DModel
 
-from mmpipe.checkpoint import load_latest_weights
+from mmpipe.runtime.checkpoint import load_latest_weights
 from mmpipe.config import DataConfig, LaunchConfig, ModelConfig, RunConfig, StageParallelConfig, TrainConfig
 from mmpipe.runtime.events import read_events
-from mmpipe.train import read_metrics, train
+from mmpipe.rundir import read_metrics
+from mmpipe.train import train
 
 STEPS = 3
 

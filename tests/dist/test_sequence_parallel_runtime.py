@@ -11,7 +11,7 @@ from test_parity import dit_params, run, u2g_params
 
 from mmpipe.config import KernelConfig, ModelConfig, StageParallelConfig
 from mmpipe.runtime.events import read_events
-from mmpipe.train import read_metrics
+from mmpipe.rundir import read_metrics
 
 LATENT = 16 * 4 * 4 * 4  # bytes of one latent frame of one clip: 16 channels x 4 x 4, float32
 MICRO_ROWS = 2  # batch 4 in 2 micro-batches

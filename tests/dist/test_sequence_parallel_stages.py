@@ -15,7 +15,7 @@ from transformers import AutoModel, Qwen2Config
 from workers import run_workers
 
 from mmpipe.parallel.sequence import SequenceMesh
-from mmpipe.runtime.reshard import Region
+from mmpipe.parallel.reshard import Region
 from mmpipe.stages._source import ModuleSource
 from mmpipe.stages.dit import FlowMatchingDiTStage, HunyuanVideoDiTFlowMatchingStage, WanDiTFlowMatchingStage
 from mmpipe.stages.multimodal import ImageTextLM, MultimodalLLMStage

@@ -10,7 +10,10 @@ import pytest
 from mmpipe.config import DataConfig, LaunchConfig, RunConfig, TrainConfig
 from mmpipe.runtime.events import read_events
 from mmpipe.sched.simulator import calibrate, measured_step_time, simulate
-from mmpipe.train import build_training_graph, make_plans, pipeline_dir, train
+from mmpipe.models import build_training_graph
+from mmpipe.assemble.placement import make_plans
+from mmpipe.rundir import pipeline_dir
+from mmpipe.train import train
 
 STEPS = 8
 

@@ -11,9 +11,11 @@ import pytest
 import torch
 from diffusers import WanTransformer3DModel
 
-from mmpipe.checkpoint import latest_checkpoint, load_latest_weights
 from mmpipe.config import DataConfig, RunConfig, TrainConfig
-from mmpipe.train import TrainLoop, read_metrics, train
+from mmpipe.rundir import latest_checkpoint, read_metrics
+from mmpipe.runtime.checkpoint import load_latest_weights
+from mmpipe.train import train
+from mmpipe.train.loop import TrainLoop
 
 SMALL = DataConfig(frames=5, height=32, width=32, val_samples=2)
 

@@ -53,6 +53,22 @@ def test_plan_json_for_local_ranks_is_a_runnable_placement(tmp_path: Path) -> No
     assert report["vs_lower_bound"] <= 1.0 + 1e-9
 
 
+def test_plan_json_placement_trains_unchanged(tmp_path: Path) -> None:
+    """What ``mmpipe plan --json`` prints, saved to a file, is a placement ``mmpipe train`` runs as it is."""
+    res = mmpipe("plan", "model=t2v_tiny", "cluster=local", "nproc=2", "global_batch=4", "micro_batches=2",
+                 "data.frames=9", "data.height=32", "data.width=32", "--json", cwd=tmp_path)  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    (tmp_path / "plan.json").write_text(res.stdout)
+    printed = json.loads(res.stdout)["placement"]
+    run = tmp_path / "run"
+    res = mmpipe(
+        "train", "launch.nproc=2", "placement=plan.json", f"run_dir={run}", "train.steps=1", *SMALL, cwd=tmp_path
+    )
+    assert res.returncode == 0, res.stderr
+    assert yaml.safe_load((run / "config.yaml").read_text())["placement"] == printed
+    assert (run / "checkpoints" / "latest").is_file()
+
+
 def test_plan_and_train_reject_bad_input_before_starting(tmp_path: Path) -> None:
     res = mmpipe("plan", "cluster=h100_9", cwd=tmp_path)
     assert res.returncode == 2 and "cluster" in res.stderr and "h100_9" in res.stderr

@@ -10,10 +10,11 @@ import pytest
 import torch
 from diffusers import WanTransformer3DModel
 
-from mmpipe.checkpoint import latest_checkpoint, load_latest_weights
 from mmpipe.config import DataConfig, ModelConfig, RunConfig, TrainConfig
 from mmpipe.data import write_mp4
-from mmpipe.train import read_metrics, train
+from mmpipe.rundir import latest_checkpoint, read_metrics
+from mmpipe.runtime.checkpoint import load_latest_weights
+from mmpipe.train import train
 
 SMALL_DATA = DataConfig(frames=9, height=32, width=32, num_samples=64, val_samples=4)
 

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from mmpipe.config import DataConfig, ModelConfig, RunConfig, TrainConfig
+from mmpipe.errors import PlanError
+from mmpipe.rundir import read_metrics
 from mmpipe.runtime.executor import compile_blocks
-from mmpipe.sched.plan import PlanError
-from mmpipe.train import read_metrics, train
+from mmpipe.train import train
 
 SMALL = DataConfig(frames=5, height=32, width=32, val_samples=2)
 

@@ -17,7 +17,7 @@ from serve_doubles import graph_failing_to_start
 
 from mmpipe.config import ServeConfig
 from mmpipe.data import frames_to_uint8
-from mmpipe.pipelines import from_diffusers
+from mmpipe.models.wan import from_diffusers
 from mmpipe.serve.engine import Engine, ServeStartError
 from mmpipe.serve.metrics import ServeMetrics
 from mmpipe.serve.protocol import GenerationRequest, JobStatus

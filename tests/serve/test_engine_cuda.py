@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from mmpipe.config import ServeConfig
-from mmpipe.pipelines import from_diffusers
+from mmpipe.models.wan import from_diffusers
 from mmpipe.serve.batching import make_row_exact
 from mmpipe.serve.engine import Engine
 from mmpipe.serve.metrics import ServeMetrics

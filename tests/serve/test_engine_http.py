@@ -27,7 +27,7 @@ from serve_doubles import FAIL_PROMPT, call, error_of, graph_failing_on_prompt, 
 
 from mmpipe.config import ServeConfig
 from mmpipe.data import frames_to_uint8, read_video
-from mmpipe.pipelines import T2VGraph, from_diffusers
+from mmpipe.models.wan import T2VGraph, from_diffusers
 from mmpipe.serve.engine import Engine
 from mmpipe.serve.protocol import Job, JobStatus
 

@@ -6,8 +6,7 @@ import dataclasses
 
 import pytest
 
-from mmpipe.cli import compose_config
-from mmpipe.config import DataConfig, GenerateConfig, ModelConfig, RunConfig, TrainConfig, from_dict
+from mmpipe.config import DataConfig, GenerateConfig, ModelConfig, RunConfig, TrainConfig, compose_config, from_dict
 
 
 def test_allowed_top_level_keys() -> None:

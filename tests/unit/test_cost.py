@@ -11,12 +11,12 @@ from diffusers import WanTransformer3DModel
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
+from mmpipe.assemble.graphs import planning_graph
 from mmpipe.config import DataConfig, ModelConfig
-from mmpipe.pipelines import build_t2v_training_graph
+from mmpipe.models.wan import build_t2v_training_graph
 from mmpipe.sched.cost import measure_graph_costs, measure_stage_cost
 from mmpipe.stages import WanDiTFlowMatchingStage
 from mmpipe.stages._source import ModuleSource
-from mmpipe.workloads import planning_graph
 
 
 @pytest.fixture(autouse=True)
@@ -148,8 +148,7 @@ def test_full_size_wan_dit_costs_seconds_and_no_memory() -> None:
     ],
 )
 def test_full_size_presets_cost_on_meta(preset: str, expected: dict[str, float]) -> None:
-    from mmpipe.cli import compose_config
-    from mmpipe.config import from_dict
+    from mmpipe.config import compose_config, from_dict
 
     model = from_dict(ModelConfig, compose_config("plan", [f"model={preset}"])["model"])
     graph, shapes = planning_graph(model, DataConfig())

@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from mmpipe.assemble.placement import check_shared_gpu_groups
 from mmpipe.config import LaunchConfig, RunConfig, TrainConfig
-from mmpipe.devices import DeviceType, Precision, rank_device, resolve_backend, resolve_device
+from mmpipe.devices import DeviceType, Precision, rank_device, resolve_backend, resolve_device, run_devices
+from mmpipe.errors import PlanError
 from mmpipe.runtime.executor import check_pair_order
-from mmpipe.sched.plan import Action, DeviceGroup, Plan, PlanError
-from mmpipe.train import check_shared_gpu_groups, run_devices
+from mmpipe.sched.plan import Action, DeviceGroup, Plan
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 

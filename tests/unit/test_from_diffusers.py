@@ -11,8 +11,7 @@ from diffusers import WanPipeline
 
 import mmpipe
 from mmpipe.config import ModelConfig
-from mmpipe.pipelines import build_t2v_training_graph
-from mmpipe.presets import build_tiny_wan_pipeline
+from mmpipe.models.wan import build_t2v_training_graph, build_tiny_wan_pipeline
 
 CALL = dict(
     prompt="a red circle moving left",
@@ -93,8 +92,8 @@ def test_causal_lm_text_encoder_zeroes_padding_and_trains_the_dit(tmp_path: Path
 def test_generate_with_the_triton_kernels_matches_the_stock_denoiser(tiny_wan_dir: Path) -> None:
     """``mmpipe generate`` applies the run's ``model.kernels`` to the denoiser: with every kernel
     (interpreted on CPU) the video equals the stock one up to float32 reassociation."""
-    from mmpipe.generate import apply_kernels
     from mmpipe.kernels.registry import KernelChoice, configure
+    from mmpipe.runtime.trained import apply_kernels
 
     call = CALL | {"num_inference_steps": 2}
     stock = mmpipe.from_diffusers(tiny_wan_dir).generate(**call, seed=3, output_type="np", progress=False)

@@ -12,10 +12,9 @@ import torch
 
 from mmpipe.config import ModelConfig
 from mmpipe.data import caption_vocabulary
-from mmpipe.generate import apply_kernels
 from mmpipe.kernels import registry as kernels
-from mmpipe.pipelines import from_diffusers, place_graph, place_module
-from mmpipe.presets import build_tiny_wan_pipeline
+from mmpipe.models.wan import build_tiny_wan_pipeline, from_diffusers, place_graph, place_module
+from mmpipe.runtime.trained import apply_kernels
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

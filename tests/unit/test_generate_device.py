@@ -20,9 +20,9 @@ import yaml
 from diffusers import DiffusionPipeline
 
 import mmpipe
-from mmpipe.checkpoint import load_latest_weights
 from mmpipe.config import GenerateConfig, RunConfig, to_dict
-from mmpipe.pipelines import component_dtypes, place_module
+from mmpipe.models.wan import component_dtypes, place_module
+from mmpipe.runtime.checkpoint import load_latest_weights
 
 CALL = dict(prompt="a red circle moving left", negative_prompt="blurry static", height=32, width=48, num_frames=9)
 

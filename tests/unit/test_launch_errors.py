@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from mmpipe.runtime.launch import _recorded_failure
-from mmpipe.runtime.worker import record_failure
+from mmpipe.train.worker import record_failure
 
 
 def test_root_cause_is_the_earliest_error_that_is_not_a_lost_connection(tmp_path: Path) -> None:

@@ -116,8 +116,9 @@ def _run_config(tmp_path, gb: float):  # type: ignore[no-untyped-def]
 
 
 def test_memory_auto_in_a_run_config_sets_the_plans_fractions(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from mmpipe.sched.plan import PlanError
-    from mmpipe.train import make_plans, prepare_run
+    from mmpipe.assemble.placement import make_plans
+    from mmpipe.errors import PlanError
+    from mmpipe.train.prepare import prepare_run
 
     _, graph, _ = prepare_run(_run_config(tmp_path, 1.0))
     roomy, _ = make_plans(graph, _run_config(tmp_path, 1.0))
@@ -147,10 +148,10 @@ def test_memory_config_errors_name_the_values() -> None:
 def test_policy_per_block_from_the_config(tiny_wan_dir) -> None:
     """``memory.dit.blocks`` reaches the plan as one letter per block (fractions counted for the cost
     model); ``selective`` covers every block; bad lists are refused before anything starts."""
+    from mmpipe.assemble.placement import make_plans
     from mmpipe.config import LaunchConfig, RunConfig, StageMemoryConfig, from_dict
-    from mmpipe.pipelines import build_t2v_training_graph
-    from mmpipe.sched.plan import PlanError
-    from mmpipe.train import make_plans
+    from mmpipe.errors import PlanError
+    from mmpipe.models.wan import build_t2v_training_graph
 
     graph = build_t2v_training_graph(tiny_wan_dir, text_len=16)
 
@@ -173,9 +174,10 @@ def test_policy_per_block_from_the_config(tiny_wan_dir) -> None:
 
 def test_auto_without_a_budget_needs_a_gpu(tmp_path) -> None:
     """``memory.dit.policy=auto`` with no ``budget_gb`` budgets against the GPU; CPU ranks must give one."""
+    from mmpipe.assemble.placement import device_budget_gb
     from mmpipe.config import RunConfig, StageMemoryConfig
-    from mmpipe.sched.plan import DeviceGroup, PlanError
-    from mmpipe.train import device_budget_gb
+    from mmpipe.errors import PlanError
+    from mmpipe.sched.plan import DeviceGroup
 
     cfg = RunConfig(run_dir=str(tmp_path), device="cpu", memory={"dit": StageMemoryConfig(policy="auto")})
     with pytest.raises(PlanError, match=r"memory.dit.policy=auto: give memory.dit.budget_gb on CPU ranks"):

@@ -8,16 +8,8 @@ import itertools
 import pytest
 from toy_graphs import FANOUT, T2V, U2G, G
 
-from mmpipe.sched.plan import (
-    Action,
-    ActionKind,
-    DeviceGroup,
-    Plan,
-    PlanError,
-    overlapping_ranks,
-    parse_placement,
-    send_window,
-)
+from mmpipe.errors import PlanError
+from mmpipe.sched.plan import Action, ActionKind, DeviceGroup, Plan, overlapping_ranks, parse_placement, send_window
 from mmpipe.sched.schedule import ScheduleKind, build_plan
 
 PLACEMENTS = [
@@ -163,9 +155,9 @@ def test_placement_config_errors() -> None:
 
 
 def test_derived_placement_puts_frozen_stages_on_rank_0(tiny_wan_dir) -> None:
+    from mmpipe.assemble.placement import make_plans
     from mmpipe.config import LaunchConfig, RunConfig
-    from mmpipe.pipelines import build_t2v_training_graph
-    from mmpipe.train import make_plans
+    from mmpipe.models.wan import build_t2v_training_graph
 
     graph = build_t2v_training_graph(tiny_wan_dir, text_len=16)
     one, _ = make_plans(graph, RunConfig(launch=LaunchConfig(nproc=1)))

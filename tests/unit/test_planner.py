@@ -15,10 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from mmpipe.errors import PlanError
 from mmpipe.graph import Capabilities
 from mmpipe.sched.cluster import Cluster, Level
 from mmpipe.sched.cost import StageCost
-from mmpipe.sched.plan import DeviceGroup, Plan, PlanError
+from mmpipe.sched.plan import DeviceGroup, Plan
 from mmpipe.sched.planner import USABLE_MEMORY, Calibration, CostModel, Planner, Workload
 from mmpipe.sched.simulator import simulate
 
@@ -296,9 +297,8 @@ def test_golden_synthetic_chain_on_two_nodes() -> None:
 
 
 def test_golden_tiny_t2v_on_two_local_ranks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from mmpipe.cli import compose_config
-    from mmpipe.config import PlanConfig, from_dict
-    from mmpipe.planning import plan_from_config
+    from mmpipe.assemble.planning import plan_from_config
+    from mmpipe.config import PlanConfig, compose_config, from_dict
 
     monkeypatch.setenv("MMPIPE_CACHE", str(tmp_path))
     cfg = from_dict(
@@ -358,7 +358,7 @@ def test_top_level_plan_api_on_a_graph(tiny_wan_dir: Path, tmp_path: Path, monke
     import torch
 
     import mmpipe
-    from mmpipe.pipelines import build_t2v_training_graph
+    from mmpipe.models.wan import build_t2v_training_graph
 
     monkeypatch.setenv("MMPIPE_CACHE", str(tmp_path))
     graph = build_t2v_training_graph(tiny_wan_dir, text_len=16)

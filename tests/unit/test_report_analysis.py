@@ -119,3 +119,31 @@ def test_load_run_names_the_bad_path(tmp_path: Path) -> None:
         validation=False, runahead=False)) + "\n")  # fmt: skip
     run = load_run(tmp_path)
     assert run.config is None and len(run.events) == 18
+
+
+def test_the_prediction_is_of_the_plan_the_run_wrote_memory_policy_included(tmp_path: Path) -> None:
+    """The report predicts the plan in ``plan.txt`` (read back, not re-derived), so a run's
+    ``memory.<stage>`` policy counts: recomputing every DiT block costs its forward again in backward."""
+    from mmpipe.assemble.graphs import planning_graph
+    from mmpipe.assemble.placement import make_plans, write_plans
+    from mmpipe.config import DataConfig, RunConfig, StageMemoryConfig, TrainConfig
+    from mmpipe.report.analysis import Run, _workload, predict_run
+
+    data = DataConfig(frames=9, height=32, width=32, val_samples=4)
+    train = TrainConfig(batch_size=4, micro_batches=2)
+    keep = RunConfig(data=data, train=train)
+    recompute = RunConfig(data=data, train=train, memory={"dit": StageMemoryConfig(policy="recompute")})
+    graph, _ = planning_graph(keep.model, keep.data)
+    predictions = {}
+    for name, cfg in (("keep", keep), ("recompute", recompute)):
+        run_dir = tmp_path / name
+        run_dir.mkdir()
+        write_plans(run_dir, *make_plans(graph, cfg))
+        (run_dir / "events").mkdir()
+        (run_dir / "events" / "rank0.jsonl").write_text(json.dumps(ev(0, 1, "dit", "F", 0, 1)) + "\n")
+        run = load_run(run_dir)
+        assert run.plan is not None and run.plan.to_text() == (run_dir / "plan.txt").read_text()
+        run = Run(run.run_dir, run.events, run.memory, run.metrics, cfg, plan=run.plan)
+        predictions[name] = predict_run(run, *_workload(cfg))
+    assert run.plan.groups["dit"].recompute == 1.0
+    assert predictions["recompute"].step_time > predictions["keep"].step_time

@@ -8,8 +8,8 @@ import itertools
 import pytest
 import torch
 
+from mmpipe.parallel.reshard import Region
 from mmpipe.parallel.sequence import SequenceLayout
-from mmpipe.runtime.reshard import Region
 
 ROWS, LENGTH, DIM = 4, 13, 1
 

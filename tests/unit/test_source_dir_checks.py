@@ -14,8 +14,8 @@ import pytest
 import yaml
 
 from mmpipe.config import RunConfig, to_dict
-from mmpipe.generate import check_trained_run
-from mmpipe.pipelines import check_pipeline_dir
+from mmpipe.models.wan import check_pipeline_dir
+from mmpipe.runtime.trained import check_trained_run
 from mmpipe.stages import WanDiTFlowMatchingStage
 
 

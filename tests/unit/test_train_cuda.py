@@ -13,7 +13,10 @@ import torch
 
 from mmpipe.config import DataConfig, RunConfig, TrainConfig
 from mmpipe.graph import Graph
-from mmpipe.train import prepare_run, read_metrics, start_rank, train
+from mmpipe.rundir import read_metrics
+from mmpipe.train import train
+from mmpipe.train.loop import start_rank
+from mmpipe.train.prepare import prepare_run
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -12,21 +12,23 @@ from typing import Any
 
 import torch
 
-from mmpipe.config import RunConfig, from_dict, to_dict
+from mmpipe.config import RunConfig, compose_config, from_dict, to_dict
+from mmpipe.devices import run_devices
+from mmpipe.models import build_training_graph
+from mmpipe.rundir import load_run_config, pipeline_dir
+from mmpipe.runtime.launch import elastic_owned
+from mmpipe.runtime.mesh import init_distributed
+from mmpipe.runtime.procs import adopt_environment
+from mmpipe.train.loop import run_rank
+from mmpipe.train.prepare import prepare_run
 
 
 def run(raw: dict[str, Any], env: dict[str, str] | None = None) -> None:
     """Worker body: ``raw`` is a ``RunConfig`` as a dict (picklable across the process start);
     ``env`` the launcher's environment (:func:`mmpipe.runtime.procs.adopt_environment`), or
     ``None`` under torchrun, which starts workers with it."""
-    from mmpipe.runtime.launch import elastic_owned
-    from mmpipe.runtime.mesh import init_distributed
-    from mmpipe.runtime.procs import adopt_environment
-
     if env is not None:
         adopt_environment(env, keep=elastic_owned)
-    from mmpipe.train import build_training_graph, pipeline_dir, run_devices, run_rank
-
     cfg = from_dict(RunConfig, raw)
     assert cfg.run_dir is not None
     devices = run_devices(cfg, local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", cfg.launch.nproc)))
@@ -55,25 +57,16 @@ def record_failure(run_dir: Path, rank: int, err: BaseException) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m mmpipe.runtime.worker [overrides]`` under torchrun: compose the config, run this rank."""
-    from mmpipe.cli import compose_config
-
+    """``python -m mmpipe.train.worker [overrides]`` under torchrun: compose the config, run this rank."""
     raw = compose_config("train", argv if argv is not None else sys.argv[1:])
     cfg = from_dict(RunConfig, raw)
     if cfg.run_dir is None:
         raise ValueError("workers started by torchrun need run_dir=<a directory every node can read>")
     if int(os.environ.get("RANK", "0")) == 0:
-        from mmpipe.train import prepare_run
-
         prepare_run(cfg)  # run directory, config and tiny pipeline, before the others read them
-    from mmpipe.runtime.mesh import init_distributed
-    from mmpipe.train import run_devices
-
     devices = run_devices(cfg, local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     init_distributed(cfg.launch.timeout_s, devices.backend.name, devices.rank_device())
     torch.distributed.barrier()
-    from mmpipe.train import load_run_config
-
     run(to_dict(load_run_config(Path(cfg.run_dir))))  # as rank 0 wrote it: placement=auto resolved
     return 0
 

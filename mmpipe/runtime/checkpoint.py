@@ -26,34 +26,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from mmpipe.rundir import checkpoint_root, latest_checkpoint
 from mmpipe.runtime.executor import StageOptim
-
-
-def checkpoint_root(run_dir: Path) -> Path:
-    """Where a run's checkpoints live."""
-    return run_dir / "checkpoints"
-
-
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The newest complete checkpoint of ``run_dir``, or ``None``."""
-    marker = checkpoint_root(run_dir) / "latest"
-    if not marker.is_file():
-        return None
-    path = checkpoint_root(run_dir) / marker.read_text().strip()
-    return path if path.is_dir() else None
-
-
-def remove_stale(run_dir: Path) -> list[Path]:
-    """Remove what a killed save left behind (``step_N.tmp`` folders, ``latest.tmp``); returns them.
-    Call before any rank saves again (at the start of a run or a restart)."""
-    root = checkpoint_root(run_dir)
-    stale = sorted(root.glob("*.tmp")) if root.is_dir() else []
-    for path in stale:
-        if path.is_dir():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            path.unlink(missing_ok=True)
-    return stale
 
 
 def _fsync(path: Path) -> None:

@@ -1,18 +1,12 @@
-"""Training graphs to plan: full-size architecture presets (no weights) and the tiny presets.
-
-A full-size preset (``configs/model/wan14b_t2v.yaml``, ``hunyuan_t2v``, ``u2g_full``, ...) carries
-each stage's module config under ``arch`` and the per-sample video size under ``video``; its graph
-has the same stages and ports as the trainable graph of ``mmpipe.pipelines`` but modules that
-exist only as configs: the cost model instantiates them on the meta device, and asking one for
-weights is a clear error. The tiny presets are built for real (random weights in a temporary
-directory), so plans of them are the plans ``mmpipe train`` runs.
-"""
+"""Architecture-only training graphs of full-size presets (``configs/model/wan14b_t2v.yaml``,
+``hunyuan_t2v``, ``u2g_full``, ...): each stage's module exists as a config only (``model.arch``);
+the cost model instantiates it on the meta device, and asking one for weights is a clear error.
+The stages and ports are those of the trainable graphs of :mod:`mmpipe.models.wan` and
+:mod:`mmpipe.models.u2g`."""
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,12 +14,9 @@ from diffusers import AutoencoderKLHunyuanVideo, AutoencoderKLWan, HunyuanVideoT
 from torch import nn
 from transformers import AutoConfig
 
-from mmpipe.config import DataConfig, ModelConfig
+from mmpipe.config import ModelConfig
 from mmpipe.graph import Graph, TensorSpec
 from mmpipe.stages._source import ModuleSource
-
-ShapeDtype = tuple[tuple[int, ...], torch.dtype]
-_TEMP_DIRS: list[tempfile.TemporaryDirectory[str]] = []
 
 _DIFFUSERS = {
     ("vae", "wan"): AutoencoderKLWan,
@@ -35,40 +26,10 @@ _DIFFUSERS = {
 }
 
 
-def planning_graph(model: ModelConfig, data: DataConfig) -> tuple[Graph, dict[str, ShapeDtype]]:
-    """The training graph of ``model`` and its per-sample (batch 1) graph-input shapes."""
-    if model.arch is not None:
-        graph = build_arch_graph(model)
-    else:
-        graph = _tiny_graph(model, data)
-    video = model.video or data
-    return graph, sample_inputs(graph, model.text_len, video.frames, video.height, video.width)
-
-
-def sample_inputs(graph: Graph, text_len: int, frames: int, height: int, width: int) -> dict[str, ShapeDtype]:
-    """Shapes of one sample of every required graph input."""
-    shapes: dict[str, ShapeDtype] = {}
-    for name, spec in graph.input_specs.items():
-        if not spec.required:
-            continue
-        if name in ("input_ids", "attention_mask"):
-            shapes[name] = ((1, text_len), torch.int64)
-        elif name == "video":
-            shapes[name] = ((1, 3, frames, height, width), torch.float32)
-        elif name == "pixel_values":
-            size = spec.shape[-1] if spec.shape else None
-            if not isinstance(size, int):
-                raise ValueError(f"graph input {name!r} needs a fixed image size, got {spec.shape}")
-            shapes[name] = ((1, 3, size, size), torch.float32)
-        else:
-            raise ValueError(f"graph input {name!r} has no per-sample shape rule")
-    return shapes
-
-
 def build_arch_graph(model: ModelConfig) -> Graph:
     """The training graph of a full-size architecture preset (modules exist as configs only)."""
-    from mmpipe.pipelines import T2V_TRAIN_EDGES, U2G_TRAIN_EDGES
-    from mmpipe.presets import build_word_tokenizer
+    from mmpipe.models.u2g import U2G_TRAIN_EDGES
+    from mmpipe.models.wan import T2V_TRAIN_EDGES, build_word_tokenizer
     from mmpipe.stages import WanDiTFlowMatchingStage, WanVAEEncodeStage
     from mmpipe.stages.dit import HunyuanVideoDiTFlowMatchingStage
     from mmpipe.stages.multimodal import ConnectorConfig, ConnectorStage, MultimodalLLMStage, VisionEncoderStage
@@ -165,19 +126,3 @@ def _no_weights(preset: str, role: str) -> Callable[[], nn.Module]:
         )
 
     return load
-
-
-def _tiny_graph(model: ModelConfig, data: DataConfig) -> Graph:
-    """The tiny preset's training graph, built for real (random weights) in a temporary directory."""
-    from mmpipe.data.shapes import caption_vocabulary
-    from mmpipe.presets import save_tiny_u2g_pipeline, save_tiny_wan_pipeline
-    from mmpipe.train import build_training_graph
-
-    if model.path is not None:
-        return build_training_graph(model, Path(model.path))
-    tmp_dir = tempfile.TemporaryDirectory(prefix="mmpipe-plan-")
-    _TEMP_DIRS.append(tmp_dir)  # the stages load lazily from it; removed when the process exits
-    tmp = Path(tmp_dir.name)
-    save = save_tiny_u2g_pipeline if model.kind == "u2g" else save_tiny_wan_pipeline
-    save(model, caption_vocabulary(), tmp / "pipeline", seed=0)
-    return build_training_graph(model, tmp / "pipeline")

@@ -1,6 +1,6 @@
-"""Graphs for text-to-video pipelines: inference (``from_diffusers``) and flow-matching training.
+"""Wan 2.1 text-to-video: the family's graphs, its ``from_diffusers`` adapter and its tiny presets.
 
-Inference graph (``T2VGraph``)::
+Inference graph (``T2VGraph``, from a ``WanPipeline`` directory or object)::
 
     input.{input_ids, attention_mask, negative_*} -> text -> denoise.{context, negative_context}
     input.noise -> denoise.latents;  denoise.latents -> decode.latents -> decode.video
@@ -10,10 +10,11 @@ Training graph::
     input.{input_ids, attention_mask} -> text.context -> dit.context
     input.video -> vae.video;  vae.latents -> dit.latents -> dit.loss
 
-Supported diffusers pipelines: ``WanPipeline`` (Wan 2.1 text-to-video, single expert). Other video
-and image pipelines (HunyuanVideo, CogVideoX, LTX, Flux) have the same four stage kinds (text
-encoder, VAE encode / decode, DiT, denoising loop); each needs its own adapters for the model
-classes, added next to the Wan ones in ``mmpipe.stages``.
+Tiny presets: random-weight pipelines built from the real architecture classes (nothing is
+downloaded: a word-level tokenizer is built locally with the ``tokenizers`` library, every module
+is a diffusers / transformers class constructed from a small config) and saved with
+``save_pretrained`` in the standard ``WanPipeline`` layout, so training, generation and
+``from_diffusers`` load them exactly as they would load a real checkpoint directory.
 
 Legend: B batch, Z latent channels, t/h/w latent frames/height/width, T/H/W pixel frames/height/width.
 """
@@ -24,16 +25,18 @@ import itertools
 import logging
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
-from diffusers import DiffusionPipeline, WanPipeline
+from diffusers import AutoencoderKLWan, DiffusionPipeline, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
 from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 from diffusers.video_processor import VideoProcessor
 from safetensors import SafetensorError, safe_open
+from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import PreTrainedModel, PreTrainedTokenizerFast, Qwen2Config, Qwen2Model, UMT5Config, UMT5EncoderModel
 
+from mmpipe.config import ModelConfig
 from mmpipe.graph import Graph, TensorSpec
 from mmpipe.stages import (
     CausalLMTextEncoderStage,
@@ -46,6 +49,132 @@ from mmpipe.stages import (
 )
 
 logger = logging.getLogger(__name__)
+
+SPECIAL_TOKENS = ("<pad>", "</s>", "<unk>")  # T5 order: pad=0, eos=1, unk=2
+
+
+def build_word_tokenizer(texts: Sequence[str]) -> PreTrainedTokenizerFast:
+    """A lower-casing word tokenizer knowing every word of ``texts``; appends ``</s>`` like T5's."""
+    splitter = pre_tokenizers.Whitespace()
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    words = {w for text in texts for w, _ in splitter.pre_tokenize_str(text.lower())}
+    for w in sorted(words):
+        vocab.setdefault(w, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = splitter
+    tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
+
+
+def build_text_encoder(spec: ModelConfig, vocab_size: int) -> torch.nn.Module:
+    """UMT5 encoder (Wan's text encoder family) or a Qwen2 base model used as a text encoder."""
+    if spec.text_encoder == "umt5":
+        heads = max(1, spec.text_dim // 8)
+        return UMT5EncoderModel(
+            UMT5Config(
+                vocab_size=vocab_size,
+                d_model=spec.text_dim,
+                d_kv=spec.text_dim // heads,
+                d_ff=2 * spec.text_dim,
+                num_layers=2,
+                num_heads=heads,
+                relative_attention_num_buckets=8,
+                pad_token_id=0,
+                eos_token_id=1,
+            )
+        )
+    heads = max(1, spec.text_dim // 8)
+    return Qwen2Model(
+        Qwen2Config(
+            vocab_size=vocab_size,
+            hidden_size=spec.text_dim,
+            intermediate_size=2 * spec.text_dim,
+            num_hidden_layers=2,
+            num_attention_heads=heads,
+            num_key_value_heads=heads,
+            max_position_embeddings=512,
+            pad_token_id=0,
+        )
+    )
+
+
+def build_tiny_wan_pipeline(spec: ModelConfig, texts: Sequence[str], *, seed: int) -> WanPipeline:
+    """Random-weight components of a Wan-style pipeline; weights are a pure function of ``seed``."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        tokenizer = build_word_tokenizer(texts)
+        text_encoder = build_text_encoder(spec, vocab_size=len(tokenizer))
+        vae = AutoencoderKLWan(
+            base_dim=spec.vae_base_dim,
+            z_dim=16,
+            dim_mult=[1, 1, 1, 1],
+            num_res_blocks=1,
+            temperal_downsample=[False, True, True],
+        )
+        transformer = WanTransformer3DModel(
+            patch_size=(1, 2, 2),
+            num_attention_heads=spec.dit_heads,
+            attention_head_dim=spec.dit_head_dim,
+            in_channels=16,
+            out_channels=16,
+            text_dim=spec.text_dim,
+            freq_dim=64,
+            ffn_dim=4 * spec.dit_heads * spec.dit_head_dim,
+            num_layers=spec.dit_layers,
+            cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads",
+            rope_max_seq_len=64,
+        )
+    scheduler = UniPCMultistepScheduler(
+        prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=1000, flow_shift=spec.flow_shift
+    )
+    for module in (text_encoder, vae, transformer):
+        cast(nn.Module, module).eval()  # as from_pretrained returns them: no dropout in the text encoder
+    return WanPipeline(
+        tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler, transformer=transformer
+    )
+
+
+def save_tiny_wan_pipeline(spec: ModelConfig, texts: Sequence[str], path: str | Path, *, seed: int) -> Path:
+    """Build and ``save_pretrained`` a tiny pipeline into ``path`` (the WanPipeline layout)."""
+    path = Path(path)
+    pipe: Any = build_tiny_wan_pipeline(spec, texts, seed=seed)
+    pipe.save_pretrained(path)
+    return path
+
+
+def build_full_wan_pipeline(
+    spec: ModelConfig, texts: Sequence[str], *, device: str | torch.device, seed: int = 0
+) -> WanPipeline:
+    """A ``WanPipeline`` of an architecture preset's full-size modules (``model=wan1_3b_t2v``) with
+    random weights, built directly on ``device`` (nothing is downloaded): the text encoder and the
+    DiT in bf16, the VAE in float32, as diffusers' Wan examples load them. For GPU benchmarks and
+    tests; the tokenizer is the word tokenizer of ``texts`` (ids stay inside the real vocabulary)."""
+    from transformers import AutoConfig
+
+    arch = dict(spec.arch or {})
+    missing = [k for k in ("text", "vae", "dit") if not arch.get(k)]
+    if missing or spec.kind != "t2v":
+        raise ValueError(f"model {spec.name!r}: a full-size Wan pipeline needs a t2v arch preset; missing {missing}")
+    text_kw = dict(arch["text"])
+    text_cfg: Any = AutoConfig.for_model(text_kw.pop("model_type"), **text_kw)
+    vae_kw = {k: v for k, v in arch["vae"].items() if k != "class"}
+    dit_kw = {k: v for k, v in arch["dit"].items() if k != "class"}
+    with torch.random.fork_rng(devices=[]), torch.device(device):
+        torch.manual_seed(seed)
+        tokenizer = build_word_tokenizer(texts)
+        text_encoder = place_module(UMT5EncoderModel(text_cfg).eval(), device, torch.bfloat16)
+        vae = AutoencoderKLWan.from_config(vae_kw).eval()
+        # bf16 but for what from_pretrained(torch_dtype=bf16) keeps in float32 (norms, modulation tables)
+        transformer = place_module(WanTransformer3DModel.from_config(dit_kw).eval(), device, torch.bfloat16)
+    scheduler = UniPCMultistepScheduler(
+        prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=1000, flow_shift=spec.flow_shift
+    )
+    return WanPipeline(
+        tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler, transformer=transformer
+    )
+
 
 SUPPORTED_PIPELINES = ("WanPipeline",)
 
@@ -322,23 +451,13 @@ def flow_shift_of(scheduler_config: Any) -> float:
 
 
 T2V_TRAIN_STAGES = ("text", "vae", "dit")  # the stage names of build_t2v_training_graph
-U2G_TRAIN_STAGES = ("vision", "llm", "connector", "vae", "dit")  # those of build_u2g_training_graph
+
+
 T2V_TRAIN_EDGES = (
     ("input.input_ids", "text.input_ids"),
     ("input.attention_mask", "text.attention_mask"),
     ("input.video", "vae.video"),
     ("text.context", "dit.context"),
-    ("vae.latents", "dit.latents"),
-)
-U2G_TRAIN_EDGES = (
-    ("input.pixel_values", "vision.pixel_values"),
-    ("vision.image_tokens", "llm.image_tokens"),
-    ("input.input_ids", "llm.input_ids"),
-    ("input.attention_mask", "llm.attention_mask"),
-    ("llm.hidden", "connector.hidden"),
-    ("llm.mask", "connector.mask"),
-    ("connector.context", "dit.context"),
-    ("input.video", "vae.video"),
     ("vae.latents", "dit.latents"),
 )
 
@@ -359,43 +478,6 @@ def build_t2v_training_graph(pipeline_dir: str | Path, *, text_len: int) -> Grap
     g.add_stage(WanVAEEncodeStage.from_pretrained("vae", root / "vae"))
     g.add_stage(WanDiTFlowMatchingStage.from_pretrained("dit", root / "transformer", shift=shift))
     for src, dst in T2V_TRAIN_EDGES:
-        g.connect(src, dst)
-    g.validate()
-    return g
-
-
-def build_u2g_training_graph(pipeline_dir: str | Path, *, text_len: int) -> Graph:
-    """Understand-then-generate: frozen vision tower -> trainable LLM (image + text tokens) ->
-    trainable connector -> trainable DiT (flow matching), with the frozen Wan VAE encoding the
-    target video. Gradients cross two stage boundaries (dit -> connector -> llm)."""
-    from diffusers import UniPCMultistepScheduler
-
-    from mmpipe.stages.multimodal import ConnectorStage, MultimodalLLMStage, VisionEncoderStage
-
-    root = Path(pipeline_dir)
-    shift = flow_shift_of(UniPCMultistepScheduler.load_config(root / "scheduler"))
-    vision = VisionEncoderStage.from_pretrained("vision", root / "vision")
-    llm = MultimodalLLMStage.from_dir(
-        "llm",
-        root / "llm",
-        vision_width=vision.source.config.hidden_size,
-        num_image_tokens=vision.num_tokens,
-        text_len=text_len,
-    )
-    g = Graph("u2g_train")
-    g.add_input("pixel_values", TensorSpec(("B", 3, vision.image_size, vision.image_size), torch.float32))
-    g.add_input("input_ids", TensorSpec(("B", text_len), torch.int64))
-    g.add_input("attention_mask", TensorSpec(("B", text_len), torch.int64))
-    g.add_input("video", TensorSpec(("B", 3, "T", "H", "W"), torch.float32))
-    for stage in (
-        vision,
-        llm,
-        ConnectorStage.from_dir("connector", root / "connector", seq_len=vision.num_tokens + text_len),
-        WanVAEEncodeStage.from_pretrained("vae", root / "vae"),
-        WanDiTFlowMatchingStage.from_pretrained("dit", root / "transformer", shift=shift),
-    ):
-        g.add_stage(stage)
-    for src, dst in U2G_TRAIN_EDGES:
         g.connect(src, dst)
     g.validate()
     return g

@@ -1,0 +1,28 @@
+"""The datasets a run's ``data`` config names: moving shapes, or a folder of videos with captions."""
+
+from __future__ import annotations
+
+from torch.utils.data import Subset
+
+from mmpipe.config import DataConfig
+from mmpipe.data import FolderVideoDataset, MovingShapesDataset, caption_vocabulary
+
+SizedDataset = MovingShapesDataset | FolderVideoDataset | Subset
+
+
+def build_datasets(data: DataConfig) -> tuple[SizedDataset, SizedDataset]:
+    """(train, validation) datasets; moving shapes validation clips come from a different seed."""
+    size = {"frames": data.frames, "height": data.height, "width": data.width}
+    if data.root is None:
+        train = MovingShapesDataset(num_samples=data.num_samples, seed=data.seed, **size)
+        val = MovingShapesDataset(num_samples=data.val_samples, seed=data.seed + 7919, **size)
+        return train, val
+    folder = FolderVideoDataset(root=data.root, captions_file=data.captions_file, **size)
+    return folder, Subset(folder, range(min(data.val_samples, len(folder))))
+
+
+def vocabulary(train_set: SizedDataset) -> list[str]:
+    """Texts whose words the tiny preset's tokenizer must know: every caption of the data."""
+    if isinstance(train_set, FolderVideoDataset):
+        return [entry.caption for entry in train_set.entries]
+    return caption_vocabulary()

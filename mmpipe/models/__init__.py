@@ -1,0 +1,57 @@
+"""Model-family glue, one module a family: tiny random-weight writers, architecture-only graphs and
+``from_diffusers`` adapters.
+
+- :mod:`~mmpipe.models.wan`: Wan 2.1 text-to-video (``model.kind=t2v``): ``from_diffusers``, the
+  inference and training graphs, the tiny and full-size random-weight pipelines;
+- :mod:`~mmpipe.models.u2g`: understand-then-generate (``model.kind=u2g``);
+- :mod:`~mmpipe.models.arch`: architecture-only graphs of full-size presets (Wan, HunyuanVideo).
+
+A new family is a new module here plus an entry in :data:`FAMILIES`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+from mmpipe.config import ModelConfig
+from mmpipe.graph import Graph
+from mmpipe.models.u2g import U2G_TRAIN_STAGES, build_u2g_training_graph, save_tiny_u2g_pipeline
+from mmpipe.models.wan import T2V_TRAIN_STAGES, build_t2v_training_graph, save_tiny_wan_pipeline
+
+
+class Family(NamedTuple):
+    """What the engine needs of a model family's training side (``model.kind``)."""
+
+    train_stages: tuple[str, ...]
+    training_graph: Callable[..., Graph]  # (pipeline_dir, *, text_len) -> Graph
+    save_tiny: Callable[..., Path]  # (spec, texts, path, *, seed) -> Path
+
+
+FAMILIES = {
+    "t2v": Family(T2V_TRAIN_STAGES, build_t2v_training_graph, save_tiny_wan_pipeline),
+    "u2g": Family(U2G_TRAIN_STAGES, build_u2g_training_graph, save_tiny_u2g_pipeline),
+}
+
+
+def family(model: ModelConfig) -> Family:
+    """The family of ``model.kind``."""
+    if model.kind not in FAMILIES:
+        raise ValueError(f"model.kind={model.kind!r}: choose from {sorted(FAMILIES)}")
+    return FAMILIES[model.kind]
+
+
+def training_stages(model: ModelConfig) -> tuple[str, ...]:
+    """The stage names of the model's training graph (placements must name exactly these)."""
+    return family(model).train_stages
+
+
+def build_training_graph(model: ModelConfig, pipe_dir: Path) -> Graph:
+    """The training graph of ``model.kind`` over a pipeline directory."""
+    return family(model).training_graph(pipe_dir, text_len=model.text_len)
+
+
+def save_tiny_pipeline(model: ModelConfig, texts: Sequence[str], path: Path, *, seed: int) -> Path:
+    """The tiny random-weight pipeline of ``model.kind``, saved to ``path`` (whose words ``texts`` hold)."""
+    return family(model).save_tiny(model, texts, path, seed=seed)

@@ -1,0 +1,60 @@
+"""Training data: which samples a step reads, and samples -> a micro-batch's graph inputs."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+from transformers import AutoTokenizer
+
+from mmpipe.data.datasets import SizedDataset
+from mmpipe.graph import Graph
+from mmpipe.models.u2g import VISION_IMAGE_SIZE
+from mmpipe.stages.text import tokenize
+
+
+def sample_indices(step: int, batch_size: int, n: int, seed: int) -> list[int]:
+    """The dataset indices of ``step``: epoch-wise permutations seeded by (seed, epoch)."""
+    out = []
+    for g in range(step * batch_size, (step + 1) * batch_size):
+        epoch, pos = divmod(g, n)
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+        out.append(int(perm[pos]))
+    return out
+
+
+class Collator:
+    """Samples -> the graph inputs of a micro-batch: tokens, videos and (u2g) the conditioning image."""
+
+    def __init__(self, graph: Graph, pipe_dir: Path, text_len: int) -> None:
+        self.tokenizer = AutoTokenizer.from_pretrained(pipe_dir / "tokenizer")
+        self.clean = prompt_clean if "text" in graph.stages else None
+        self.text_len = text_len
+        self.image = "pixel_values" in graph.input_specs
+
+    def __call__(self, samples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+        tokens = tokenize(self.tokenizer, [s["caption"] for s in samples], max_length=self.text_len, clean=self.clean)
+        video_B3THW = torch.stack([s["video"] for s in samples])
+        out = {**tokens, "video": video_B3THW}
+        if self.image:  # the first frame, at the vision tower's resolution
+            size = (VISION_IMAGE_SIZE, VISION_IMAGE_SIZE)
+            out["pixel_values"] = F.interpolate(video_B3THW[:, :, 0], size=size, mode="bilinear", antialias=True)
+        return out
+
+
+def micro_batches(
+    dataset: SizedDataset, indices: list[int], n_micro: int, collate: Collator
+) -> Iterator[dict[str, torch.Tensor]]:
+    """Split ``indices`` into ``n_micro`` equal micro-batches of graph inputs."""
+    size = len(indices) // n_micro
+    for m in range(n_micro):
+        yield collate([dataset[i] for i in indices[m * size : (m + 1) * size]])
+
+
+def micro_batch_seed(seed: int, step: int, micro: int) -> int:
+    """The noise / timestep seed of one micro-batch (``step=-1`` is the validation set)."""
+    return (seed * 1_000_003 + step + 1) * 1024 + micro

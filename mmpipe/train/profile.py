@@ -1,0 +1,117 @@
+"""``mmpipe profile``: calibrate the planner's cost model on this machine.
+
+It runs every stage of a (tiny, real) training graph here, forward and, for stages on the backward
+path, backward, and stores the achieved fraction of the device's peak FLOP/s per stage and
+direction in a calibration file; ``plan`` (and the planner's cost model) then prices those stages
+with the measured efficiency instead of the cluster's default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import tempfile
+from pathlib import Path
+
+from mmpipe.assemble.graphs import planning_graph
+from mmpipe.config import DataConfig, ModelConfig
+from mmpipe.sched.cluster import Cluster
+from mmpipe.sched.cost import measure_graph_costs
+from mmpipe.sched.planner import Calibration
+
+
+def profile(
+    model: ModelConfig,
+    data: DataConfig,
+    *,
+    micro_sizes: tuple[int, int] = (1, 2),
+    micro_batches: int = 4,
+    steps: int = 6,
+    warmup: int = 2,
+    threads: int = 1,
+    probe: bool = True,
+    device: str = "auto",
+) -> Calibration:
+    """Calibrate the cost model on this machine's CPU or GPU (``device``) from real single-rank training runs.
+
+    The model is trained for ``steps`` steps at two micro-batch sizes; from the recorded events,
+    each stage's median forward / backward time at both sizes gives a fixed part (per action) and
+    a per-sample part, whose FLOPs (from the cost model) over the nominal peak are the efficiency;
+    STEP events give the optimizer time, and the wall time not spent in actions the per-step
+    overhead. ``probe`` also measures the transport's latency and bandwidth between two CPU ranks
+    (not on a GPU: its ranks' transport is NCCL's, one GPU each).
+    """
+    if model.arch is not None:
+        raise ValueError(f"model {model.name!r} is architecture-only (no weights): profile a model with weights")
+    if not 0 < micro_sizes[0] < micro_sizes[1]:
+        raise ValueError(f"profile needs two growing micro-batch sizes, got {micro_sizes}")
+    if steps <= warmup + 1:
+        raise ValueError(f"profile needs steps > warmup + 1, got steps={steps} warmup={warmup}")
+    from mmpipe.config import LaunchConfig, RunConfig, TrainConfig
+    from mmpipe.devices import DeviceType, resolve_device
+    from mmpipe.runtime.events import read_events
+    from mmpipe.sched.simulator import measured_step_time
+    from mmpipe.train import train
+
+    cuda = resolve_device(device) is DeviceType.CUDA
+    cluster = Cluster.local_cuda(1) if cuda else Cluster.local(1)
+    graph, shapes = planning_graph(model, data)
+    costs = measure_graph_costs(graph, shapes)
+    timings: dict[int, dict[tuple[str, str], float]] = {}
+    overheads = []
+    with tempfile.TemporaryDirectory(prefix="mmpipe-profile-") as tmp:
+        for n in micro_sizes:
+            run_dir = Path(tmp) / f"micro{n}"
+            batch = n * micro_batches
+            cfg = RunConfig(
+                run_dir=str(run_dir),
+                device="cuda" if cuda else "cpu",
+                model=model,
+                data=dataclasses.replace(data, val_samples=max(data.val_samples, batch)),
+                train=TrainConfig(
+                    steps=steps,
+                    batch_size=batch,
+                    micro_batches=micro_batches,
+                    log_every=steps,
+                    val_every=10 * steps,
+                    ckpt_every=10 * steps,
+                    progress=False,
+                    threads=threads,
+                ),
+                launch=LaunchConfig(nproc=1),
+            )
+            train(cfg)
+            events = [e for e in read_events(run_dir) if e["phase"] == "train" and e["step"] > warmup]
+            samples: dict[tuple[str, str], list[float]] = {}
+            for e in events:
+                samples.setdefault((e["stage"], e["kind"]), []).append(e["end"] - e["start"])
+            timings[n] = {k: statistics.median(v) for k, v in samples.items()}
+            wall = measured_step_time(read_events(run_dir), first_step=warmup + 1, last_step=steps)
+            busy = sum(e["end"] - e["start"] for e in events) / (steps - warmup)
+            overheads.append(max(0.0, wall - busy))
+    (n1, n2), (t1, t2) = micro_sizes, (timings[micro_sizes[0]], timings[micro_sizes[1]])
+    stages: dict[str, dict[str, float]] = {}
+    for name in graph.topological_order():
+        entry: dict[str, float] = {}
+        for kind, direction, flops in (
+            ("F", "forward", costs[name].forward_flops),
+            ("B", "backward", costs[name].backward_flops),
+        ):
+            if (name, kind) not in t2 or not flops:
+                continue
+            per_sample = (t2[(name, kind)] - t1[(name, kind)]) / (n2 - n1)
+            if per_sample <= 0:  # within noise: attribute all of it to the samples
+                per_sample, fixed = t2[(name, kind)] / n2, 0.0
+            else:
+                fixed = max(0.0, t1[(name, kind)] - n1 * per_sample)
+            entry[direction] = flops / (cluster.peak_flops * per_sample)
+            entry[f"{direction}_overhead_s"] = fixed
+        if (name, "STEP") in t2:
+            entry["step_s"] = t2[(name, "STEP")]
+        stages[name] = entry
+    transport: dict[str, float] = {}
+    if probe and not cuda:
+        from mmpipe.runtime.probe import probe_transport
+
+        transport = probe_transport()
+    return Calibration(cluster.device, cluster.peak_flops, stages, statistics.median(overheads), **transport)
