@@ -51,7 +51,7 @@ export PYTHONPATH="$SITE" PYTHONUNBUFFERED=1
 
 status=0
 # Preflight: a module missing from the carried wheels costs seconds here, not a step
-timeout 60 python3 -P -c "import mmpipe.presets, mmpipe.train, mmpipe.generate, mmpipe.serve.engine, mmpipe.serve.server, openai" \
+timeout 60 python3 -P -c "import mmpipe.models.wan, mmpipe.train, mmpipe.generate, mmpipe.serve.engine, mmpipe.serve.server, openai" \
     2>&1 | tee -a "$OUT/log.txt" || status=1
 bench() {  # bench NAME LIMIT_S ARGS...: one benchmark, its log and its JSON last line
     local name=$1 limit=$2; shift 2

@@ -31,8 +31,8 @@ from mmpipe.models import build_training_graph
 from mmpipe.rundir import pipeline_dir
 from mmpipe.runtime.events import read_events
 from mmpipe.sched.cluster import Cluster
-from mmpipe.sched.plan import parse_placement
-from mmpipe.sched.planner import Planner, summarize
+from mmpipe.sched.planner import Planner
+from mmpipe.sched.results import parse_placement, summarize
 from mmpipe.sched.simulator import measured_step_time
 from mmpipe.train import train
 from mmpipe.train.profile import profile

@@ -28,9 +28,9 @@ _EXPORTS = {
     "Graph": "mmpipe.graph",
     "Stage": "mmpipe.graph",
     "TensorSpec": "mmpipe.graph",
-    "T2VGraph": "mmpipe.pipelines",
-    "from_diffusers": "mmpipe.pipelines",
-    "plan": "mmpipe.planning",
+    "T2VGraph": "mmpipe.models.wan",
+    "from_diffusers": "mmpipe.models.wan",
+    "plan": "mmpipe.assemble.planning",
     "train": "mmpipe.train",
 }
 __all__ = [

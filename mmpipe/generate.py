@@ -2,7 +2,7 @@
 
 ``device=cpu`` computes in float32 as the run was saved; ``device=cuda`` (or ``auto`` on a GPU
 machine) loads the pipeline onto the GPU in diffusers' Wan precision (bf16 text encoder and DiT,
-their fp32-kept modules and the VAE float32; :func:`mmpipe.pipelines.place_graph`) and resolves the
+their fp32-kept modules and the VAE float32; :func:`mmpipe.models.wan.place_graph`) and resolves the
 run's ``model.kernels`` for CUDA (``auto``: mmpipe's Triton kernels).
 """
 

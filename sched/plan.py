@@ -25,7 +25,6 @@ import functools
 import re
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from mmpipe.errors import PlanError
 
@@ -516,69 +515,3 @@ def overlapping_ranks(group: DeviceGroup, rank: int, other: DeviceGroup, batch: 
     first = i * other.dp // group.dp
     last = -(-(i + 1) * other.dp // group.dp)  # ceil
     return list(other.ranks[first * other.sp : last * other.sp])
-
-
-def placement_config(placement: Mapping[str, DeviceGroup]) -> dict[str, dict[str, Any]]:
-    """``{stage: DeviceGroup}`` -> its config form, every field spelled out; the inverse of
-    :func:`parse_placement` (``parse_placement(placement_config(p)) == p``)."""
-    return {
-        stage: {
-            "ranks": list(g.ranks),
-            "dp": g.dp,
-            "ulysses": g.ulysses,
-            "ring": g.ring,
-            "recompute": g.recompute,
-            "offload": g.offload,
-            "gather_once": g.gather_once,
-            "blocks": g.blocks,
-        }
-        for stage, g in placement.items()
-    }
-
-
-def parse_placement(raw: Mapping[str, Sequence[int] | Mapping[str, object]]) -> dict[str, DeviceGroup]:
-    """``{text: [0], dit: {ranks: [1, 2], dp: 2}}`` -> ``{stage: DeviceGroup}`` (config form)."""
-    out = {}
-    for stage, spec in raw.items():
-        blocks = ""
-        if isinstance(spec, Mapping):
-            allowed = {"ranks", "dp", "ulysses", "ring", "recompute", "offload", "gather_once", "blocks"}
-            unknown = set(spec) - allowed
-            if unknown:
-                raise PlanError(f"placement.{stage}: unknown keys {sorted(unknown)} (allowed: {sorted(allowed)})")
-            ranks = spec.get("ranks")
-            extra: dict[str, float] = {}
-            for k in ("ulysses", "ring", "recompute", "offload"):
-                v = spec.get(k)
-                if v is None:
-                    continue
-                if not isinstance(v, int | float) or isinstance(v, bool):
-                    raise PlanError(f"placement.{stage}.{k} must be a number, got {v!r}")
-                if k in ("ulysses", "ring") and not isinstance(v, int):
-                    raise PlanError(f"placement.{stage}.{k} must be an int, got {v!r}")
-                extra[k] = float(v)
-            sp = int(extra.get("ulysses", 1)) * int(extra.get("ring", 1))
-            dp = spec.get("dp", len(ranks) // max(sp, 1) if isinstance(ranks, Sequence) else 1)
-            gather_once = spec.get("gather_once", False)
-            if not isinstance(gather_once, bool):
-                raise PlanError(f"placement.{stage}.gather_once must be true or false, got {gather_once!r}")
-            blocks = spec.get("blocks") or ""
-            if not isinstance(blocks, str):
-                raise PlanError(f"placement.{stage}.blocks must be a string of k, o, r and s, got {blocks!r}")
-        else:
-            ranks, dp, extra, gather_once = spec, len(spec), {}, False
-        if not isinstance(ranks, Sequence) or not all(isinstance(r, int) for r in ranks):
-            raise PlanError(f"placement.{stage}: ranks must be a list of ints, got {ranks!r}")
-        if not isinstance(dp, int):
-            raise PlanError(f"placement.{stage}: dp must be an int, got {dp!r}")
-        out[stage] = DeviceGroup(
-            tuple(ranks),
-            dp,
-            ulysses=int(extra.get("ulysses", 1)),
-            ring=int(extra.get("ring", 1)),
-            recompute=extra.get("recompute", 0.0),
-            offload=extra.get("offload", 0.0),
-            gather_once=gather_once,
-            blocks=blocks,
-        )
-    return out

@@ -1,4 +1,4 @@
-"""The planner: placement, parallel degrees, memory policy and micro-batches of a training DAG.
+"""The planner's search: placement, parallel degrees, memory policy and micro-batches of a training DAG.
 
 Given a graph's per-sample stage costs (``mmpipe.sched.cost``) and a cluster, the planner chooses,
 for every stage, its group size, data-parallel (FSDP) degree, Ulysses and ring degrees and memory
@@ -28,496 +28,33 @@ Baselines computed the same way: *colocated-sequential* (all stages in turn on e
 parallelism only, with the best memory policy that fits), *uniform split* (rank counts
 proportional to parameter counts) and the *lower bound* (total FLOPs / ranks x peak x efficiency).
 
-The memory model per rank: trainable stages keep fp32 master weights, gradients and Adam moments
-sharded over their whole group (FSDP, 16 bytes per parameter / group size) plus two gathered bf16
-blocks; frozen stages keep bf16 weights, replicated when small and sharded otherwise; activations
-of every in-flight micro-batch (1F1B warm-up depth) under the chosen recompute / offload policy.
+The search (this module) prices configurations with the analytic model of
+:mod:`~mmpipe.sched.analytic`, calibrated by :mod:`~mmpipe.sched.calibration`, and returns the
+:mod:`~mmpipe.sched.results` types.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from mmpipe.errors import PlanError
 from mmpipe.memory.budget import BlockPricing, choose_policies
+from mmpipe.sched.analytic import CostModel, StageConfig, Workload, per_micro_batch
+from mmpipe.sched.calibration import Calibration
 from mmpipe.sched.cluster import Cluster
-from mmpipe.sched.cost import StageCost
-from mmpipe.sched.plan import Action, ActionKind, DeviceGroup, Plan, format_ranks
-from mmpipe.sched.schedule import GraphInfo, ScheduleKind, backward_stages, build_plan
+from mmpipe.sched.plan import Action, ActionKind
+from mmpipe.sched.results import Candidate, PlanReport, PlanResult
+from mmpipe.sched.schedule import build_plan
 from mmpipe.sched.simulator import bubble_fractions, simulate
 
 RING = (1, 2, 4, 8)
-USABLE_MEMORY = 0.9  # of device memory: the rest is the framework's, fragmentation, buffers
-ADAM_BYTES = 16  # fp32 master weight + fp32 gradient + two fp32 Adam moments, per parameter
-SEND_BUFFERS = 4  # the runtime's bound on unreceived sends (max in-flight messages)
 BUNDLE_MAX_DEVICES = 64  # hybrid layouts (stages sharing groups) are searched up to this size
 
 
-# ---- calibration -------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class Calibration:
-    """What ``mmpipe profile`` measured on one device kind.
-
-    Per stage: the achieved fraction of peak FLOP/s of its forward and backward
-    (``forward``/``backward``), a fixed cost per action (``forward_overhead_s`` /
-    ``backward_overhead_s``: launch and framework time that does not scale with the batch) and its
-    optimizer step (``step_s``); per run: the per-step overhead outside actions and the transport's
-    per-message latency and bandwidth.
-    """
-
-    device: str
-    peak_flops: float
-    stages: Mapping[str, Mapping[str, float]]
-    step_overhead_s: float = 0.0
-    latency_s: float | None = None
-    bandwidth: float | None = None
-    collective_latency_s: float | None = None
-    collective_bandwidth: float | None = None
-
-    def efficiency(self, stage: str, direction: str, default: float) -> float:
-        return float(self.stages.get(stage, {}).get(direction, default))
-
-    def value(self, stage: str, key: str) -> float:
-        return float(self.stages.get(stage, {}).get(key, 0.0))
-
-    def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        raw = dataclasses.asdict(self) | {"stages": {k: dict(v) for k, v in self.stages.items()}}
-        path.write_text(json.dumps(raw, indent=2) + "\n")
-        return path
-
-    @classmethod
-    def load(cls, path: str | Path) -> Calibration:
-        try:
-            raw = json.loads(Path(path).read_text())
-            return cls(
-                str(raw["device"]),
-                float(raw["peak_flops"]),
-                {str(k): {str(a): float(b) for a, b in v.items()} for k, v in raw["stages"].items()},
-                float(raw.get("step_overhead_s", 0.0)),
-                raw.get("latency_s"),
-                raw.get("bandwidth"),
-                raw.get("collective_latency_s"),
-                raw.get("collective_bandwidth"),
-            )
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            raise ValueError(f"{str(path)!r} is not a calibration file written by `mmpipe profile`: {e}") from e
-
-
-# ---- the workload ------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class Workload:
-    """What the planner plans: a graph's stages, their per-sample costs and the global batch."""
-
-    name: str
-    graph: GraphInfo
-    costs: Mapping[str, StageCost]
-    global_batch: int
-    sequence_parallel: frozenset[str]  # stages that may split their sequence
-    edges: tuple[tuple[str, str], ...]
-    order: tuple[str, ...]
-    backward: frozenset[str]
-    trainable: frozenset[str]
-
-    @classmethod
-    def of(cls, name: str, graph: Any, costs: Mapping[str, StageCost], global_batch: int) -> Workload:
-        if global_batch <= 0:
-            raise ValueError(f"global_batch must be positive, got {global_batch}")
-        sp = frozenset(n for n, s in graph.stages.items() if getattr(s.capabilities, "sequence_parallel", False))
-        return cls(
-            name,
-            graph,
-            dict(costs),
-            global_batch,
-            sp,
-            tuple(dict.fromkeys(graph.stage_edges())),
-            tuple(graph.topological_order()),
-            backward_stages(graph),
-            frozenset(n for n, s in graph.stages.items() if not s.frozen),
-        )
-
-    def model_flops(self, stage: str) -> float:
-        """FLOPs per sample of ``stage`` (forward, plus backward when on the backward path)."""
-        c = self.costs[stage]
-        return c.forward_flops + (c.backward_flops if stage in self.backward else 0.0)
-
-    @property
-    def tokens_per_sample(self) -> int:
-        return max((c.tokens for c in self.costs.values()), default=0)
-
-
-# ---- per-stage configurations ------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class StageConfig:
-    """One stage's layout and policy, and what it costs each of its ranks per micro-batch."""
-
-    stage: str
-    dp: int
-    ulysses: int = 1
-    ring: int = 1
-    recompute: float = 0.0
-    offload: float = 0.0
-    samples: int = 1  # per replica per micro-batch
-    forward_s: float = 0.0  # per micro-batch, exposed communication included
-    backward_s: float = 0.0  # backward + recomputation, exposed communication included
-    memory: float = 0.0  # peak bytes per rank
-    inflight: int = 1
-    sync_s: float = 0.0  # gradient reduce-scatter, once per step (in the last micro-batch's backward)
-    gather_once: bool = False  # FSDP parameters gathered once per step and kept (DeviceGroup.gather_once)
-
-    @property
-    def ranks(self) -> int:
-        return self.dp * self.ulysses * self.ring
-
-    @property
-    def time(self) -> float:
-        return self.forward_s + self.backward_s
-
-
-class CostModel:
-    """Seconds and bytes of a stage configuration on a cluster (see the module docstring)."""
-
-    def __init__(self, cluster: Cluster, workload: Workload, calibration: Calibration | None = None) -> None:
-        self.cluster, self.w, self.cal = cluster, workload, calibration
-        self.budget = cluster.memory_bytes * USABLE_MEMORY
-
-    @property
-    def calibrated(self) -> Calibration | None:
-        """The calibration when it was measured on this cluster's device kind."""
-        return self.cal if self.cal is not None and self.cal.device == self.cluster.device else None
-
-    def efficiency(self, stage: str, direction: str) -> float:
-        cal = self.calibrated
-        return cal.efficiency(stage, direction, self.cluster.efficiency) if cal else self.cluster.efficiency
-
-    def overhead(self, stage: str, key: str) -> float:
-        cal = self.calibrated
-        return cal.value(stage, key) if cal else 0.0
-
-    def rate(self, stage: str, direction: str) -> float:
-        return self.cluster.peak_flops * self.efficiency(stage, direction)
-
-    def _span(self, n: int) -> range:
-        return range(min(n, self.cluster.world_size))  # groups start on level boundaries
-
-    def configure(
-        self,
-        stage: str,
-        samples: int,
-        dp: int,
-        ulysses: int,
-        ring: int,
-        recompute: float,
-        offload: float,
-        *,
-        inflight: int = 1,
-        reserved: float = 0.0,
-        micro_batches: int = 1,
-        gather_once: bool = False,
-    ) -> StageConfig:
-        """The configuration's times and peak memory (``reserved``: bytes other stages keep on its ranks;
-        ``gather_once``: a trainable stage's parameters gathered once per ``micro_batches`` and kept)."""
-        c, w = self.costs(stage), self.w
-        sp = ulysses * ring
-        n = samples
-        group = dp * sp
-        train = stage in w.backward
-        trainable = stage in w.trainable
-        fwd = self.overhead(stage, "forward_overhead_s") + n * c.forward_flops / sp / self.rate(stage, "forward")
-        bwd = 0.0
-        if train:
-            bwd = self.overhead(stage, "backward_overhead_s") + n * c.backward_flops / sp / self.rate(stage, "backward")
-        rec = recompute * n * c.block_flops / sp / self.rate(stage, "forward") if train else 0.0
-        # Ulysses: four all-to-alls per block (q, k, v, out) each way, of this rank's shard.
-        a2a_f = a2a_b = 0.0
-        if ulysses > 1 and c.blocks:
-            shard = n * c.tokens * c.hidden * 2 / sp
-            one = self.cluster.collective_seconds("all_to_all", shard, self._span(ulysses))
-            a2a_f = 4 * c.blocks * one
-            a2a_b = a2a_f * (1 + recompute) if train else 0.0
-        # Ring: ring - 1 key/value block passes per block, hidden behind the attention compute.
-        ring_f = ring_b = 0.0
-        if ring > 1 and c.blocks:
-            kv = 2 * n * c.tokens * c.hidden * 2 / sp
-            step = kv / self.cluster.bandwidth(self._span(sp))
-            attn = n * c.attention_flops / c.blocks / sp / self.rate(stage, "forward")
-            ring_f = c.blocks * max(0.0, (ring - 1) * step - attn)
-            ring_b = c.blocks * max(0.0, 2 * (ring - 1) * step - 2.5 * attn) if train else 0.0
-        # FSDP traffic: parameters gathered for the forward (and again for the backward and any
-        # recomputation) of every micro-batch; gradients reduce-scattered once per step.
-        fsdp = sync = 0.0
-        width = self.cluster.dtype_bytes
-        replicate = not trainable and width * c.params <= 0.25 * self.budget
-        gather_once = gather_once and trainable and group > 1
-        if group > 1 and (trainable or not replicate):
-            gather = self.collective("all_gather", width * c.params, group)
-            fsdp = gather / micro_batches if gather_once else gather * (2 + recompute if train else 1)
-            if trainable:
-                sync = self.collective("reduce_scatter", width * c.params, group)
-        # Offload of saved activations to host memory and back, overlapped with compute.
-        moved = offload * (1 - recompute) * n * c.block_activation_bytes / sp if train else 0.0
-        offload_s = 2 * moved / self.cluster.host_bandwidth
-        compute = fwd + bwd + rec
-        hidden = compute if self.cluster.overlap_collectives else 0.0
-        offload_exposed = max(0.0, offload_s - compute) if self.cluster.offload_overlap else offload_s
-        exposed = max(0.0, fsdp - hidden) + offload_exposed
-        forward_s = fwd + a2a_f + ring_f
-        backward_s = bwd + rec + a2a_b + ring_b + exposed if train else 0.0
-        if not train:
-            forward_s += exposed
-        # Memory per rank.
-        block_params = c.params / max(c.blocks, 1)
-        if trainable:
-            weights = ADAM_BYTES * c.params / group + (width * c.params if gather_once else 2 * width * block_params)
-        elif replicate or group == 1:
-            weights = width * c.params
-        else:
-            weights = width * c.params / group + 2 * width * block_params
-        if train:
-            kept = (1 - recompute) * (1 - offload) * c.block_activation_bytes + recompute * c.block_input_bytes
-            per_mb = n / sp * (c.activation_bytes - c.block_activation_bytes + kept)
-            transient = n / sp * c.block_activation_bytes / max(c.blocks, 1)
-            acts = inflight * per_mb + transient
-        else:
-            acts = 4 * n * max(c.output_bytes, c.block_input_bytes / max(c.blocks, 1)) / sp
-        buffers = SEND_BUFFERS * n * c.output_bytes
-        memory = reserved + weights + acts + buffers
-        if inflight * moved > self.cluster.host_memory_bytes:
-            memory = math.inf  # the offloaded activations do not fit host memory
-        return StageConfig(
-            stage, dp, ulysses, ring, recompute, offload, n, forward_s, backward_s, memory, inflight, sync, gather_once
-        )
-
-    def collective(self, kind: str, nbytes: float, ranks: int) -> float:
-        """A ring collective over ``ranks`` consecutive ranks; the measured transport when calibrated."""
-        cal = self.calibrated
-        if cal is not None and cal.collective_latency_s is not None and cal.collective_bandwidth and ranks > 1:
-            # measured between two ranks; a ring over more ranks takes ranks - 1 such steps
-            return (ranks - 1) * (cal.collective_latency_s + nbytes / cal.collective_bandwidth)
-        return self.cluster.collective_seconds(kind, nbytes, self._span(ranks))
-
-    def costs(self, stage: str) -> StageCost:
-        return self.w.costs[stage]
-
-    def fits(self, cfg: StageConfig) -> bool:
-        return cfg.memory <= self.budget
-
-
-# ---- candidates --------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class Candidate:
-    """A complete plan choice: per-stage configurations, rank ranges, micro-batching."""
-
-    name: str
-    layout: str  # "disaggregated" | "colocated" | "bundled"
-    configs: Mapping[str, StageConfig]
-    ranks: Mapping[str, tuple[int, ...]]  # each stage's group, replicas of consecutive ranks
-    micro_batch: int  # samples per micro-batch
-    micro_batches: int
-    world_size: int
-    estimate: float  # analytic step time (s)
-
-    @property
-    def global_batch(self) -> int:
-        return self.micro_batch * self.micro_batches
-
-    def placement(self) -> dict[str, DeviceGroup]:
-        return {
-            s: DeviceGroup(self.ranks[s], c.dp, c.ulysses, c.ring, c.recompute, c.offload, c.gather_once)
-            for s, c in self.configs.items()
-        }
-
-    @property
-    def ranks_used(self) -> int:
-        return len({r for g in self.ranks.values() for r in g})
-
-
-@dataclasses.dataclass(frozen=True)
-class PlanResult:
-    """A candidate with its simulated figures."""
-
-    candidate: Candidate
-    step_time: float  # seconds per optimizer step (simulated when ``simulated``)
-    simulated: bool
-    samples_per_s: float
-    tokens_per_s: float
-    mfu: float
-    bubble: float  # mean over used ranks of 1 - compute / wall
-    stage_bubble: Mapping[str, float]
-    peak_memory: Mapping[str, float]  # per stage group: bytes per rank (colocated: all stages' sum)
-    fits_memory: bool
-
-    def to_json(self) -> dict[str, Any]:
-        cand = self.candidate
-        return {
-            "name": cand.name,
-            "layout": cand.layout,
-            "world_size": cand.world_size,
-            "ranks_used": cand.ranks_used,
-            "micro_batch": cand.micro_batch,
-            "micro_batches": cand.micro_batches,
-            "step_time_s": self.step_time,
-            "simulated": self.simulated,
-            "samples_per_s": self.samples_per_s,
-            "tokens_per_s": self.tokens_per_s,
-            "mfu": self.mfu,
-            "bubble": self.bubble,
-            "fits_memory": self.fits_memory,
-            "stages": {
-                s: {
-                    "ranks": format_ranks(cand.ranks[s], max_runs=3),
-                    "dp": c.dp,
-                    "ulysses": c.ulysses,
-                    "ring": c.ring,
-                    "recompute": c.recompute,
-                    "offload": c.offload,
-                    "gather_once": c.gather_once,
-                    "samples_per_replica": c.samples,
-                    "forward_s": c.forward_s,
-                    "backward_s": c.backward_s,
-                    "peak_memory_gb": self.peak_memory[s] / 1e9,
-                    "bubble": self.stage_bubble.get(s, 0.0),
-                }
-                for s, c in cand.configs.items()
-            },
-        }
-
-
-@dataclasses.dataclass(frozen=True)
-class PlanReport:
-    """What ``plan`` returns: the chosen plan, the baselines and the lower bound."""
-
-    workload: str
-    cluster: str
-    world_size: int
-    global_batch: int
-    best: PlanResult
-    colocated: PlanResult | None
-    uniform: PlanResult | None
-    lower_bound_samples_per_s: float
-    plan_seconds: float
-
-    def vs(self, other: PlanResult | None) -> float | None:
-        if other is None or not other.fits_memory or other.samples_per_s <= 0:
-            return None
-        return self.best.samples_per_s / other.samples_per_s
-
-    def to_json(self) -> dict[str, Any]:
-        vs_col = self.vs(self.colocated)
-        return {
-            "workload": self.workload,
-            "cluster": self.cluster,
-            "gpus": self.world_size,
-            "global_batch": self.global_batch,
-            "plan": self.best.to_json(),
-            "colocated_sequential": self.colocated.to_json() if self.colocated else None,
-            "uniform_split": self.uniform.to_json() if self.uniform else None,
-            "lower_bound_samples_per_s": self.lower_bound_samples_per_s,
-            "vs_colocated": vs_col,
-            "vs_uniform": self.vs(self.uniform),
-            "vs_lower_bound": self.best.samples_per_s / self.lower_bound_samples_per_s,
-            "fits_memory": self.best.fits_memory,
-            "plan_seconds": self.plan_seconds,
-        }
-
-    def plan(self, graph: GraphInfo, *, schedule: ScheduleKind = ScheduleKind.ONE_F_ONE_B) -> Plan:
-        """The chosen plan as the runtime's per-rank action lists."""
-        cand = self.best.candidate
-        return build_plan(
-            graph,
-            cand.placement(),
-            cand.micro_batches,
-            world_size=cand.world_size,
-            schedule=schedule,
-            batch=cand.micro_batch,
-        )
-
-    def format(self) -> str:
-        """The human-readable report ``mmpipe plan`` prints."""
-        gb = 1e9
-        best = self.best
-        cand = best.candidate
-        lines = [
-            f"plan for {self.workload} on {self.cluster} ({self.world_size} devices), "
-            f"global batch {self.global_batch} = {cand.micro_batches} micro-batches x {cand.micro_batch}",
-            f"layout: {cand.layout}; ranks used: {cand.ranks_used}/{cand.world_size}",
-            "",
-            f"{'stage':<10} {'ranks':>13} {'dp':>5} {'uly':>4} {'ring':>4} {'recomp':>6} {'offl':>5} "
-            f"{'gather':>6} {'fwd s/mb':>9} {'bwd s/mb':>9} {'mem GB':>7} {'bubble':>6}",
-        ]
-        for s, c in cand.configs.items():
-            gather = "step" if c.gather_once else "mb" if c.sync_s else "-"  # FSDP parameter all-gathers
-            lines.append(
-                f"{s:<10} {format_ranks(cand.ranks[s], max_runs=3):>13} {c.dp:>5} {c.ulysses:>4} {c.ring:>4} "
-                f"{c.recompute:>6.2f} {c.offload:>5.2f} {gather:>6} {c.forward_s:>9.3f} {c.backward_s:>9.3f} "
-                f"{best.peak_memory[s] / gb:>7.1f} {best.stage_bubble.get(s, 0.0):>6.1%}"
-            )
-        lines.append("")
-        lines.append("per-rank schedule: " + _schedule_summary(cand))
-        lines.append("")
-        header = f"{'':<22} {'samples/s':>10} {'tokens/s':>12} {'step s':>9} {'MFU':>6} {'bubble':>7} {'fits':>5}"
-        lines.append(header)
-        for label, r in (
-            ("mmpipe plan", best),
-            ("colocated-sequential", self.colocated),
-            ("uniform split", self.uniform),
-        ):
-            if r is None:
-                lines.append(f"{label:<22} {'(no feasible configuration)':>40}")
-                continue
-            lines.append(
-                f"{label:<22} {r.samples_per_s:>10.3f} {r.tokens_per_s:>12.4g} {r.step_time:>9.2f} "
-                f"{r.mfu:>6.1%} {r.bubble:>7.1%} {'yes' if r.fits_memory else 'NO':>5}"
-            )
-        lines.append(f"{'lower bound':<22} {self.lower_bound_samples_per_s:>10.3f}")
-        if not best.simulated:
-            lines.append("(step time from the analytic model: the reduced plan is too large to simulate)")
-        vs_col = self.vs(self.colocated)
-        lines.append("")
-        lines.append(
-            f"plan vs colocated-sequential: {f'x{vs_col:.2f}' if vs_col else 'n/a'}; "
-            f"vs lower bound: x{best.samples_per_s / self.lower_bound_samples_per_s:.2f}; "
-            f"planned in {self.plan_seconds:.2f} s"
-        )
-        return "\n".join(lines)
-
-
-def _schedule_summary(cand: Candidate) -> str:
-    m = cand.micro_batches
-    if cand.layout == "colocated":
-        ahead = [s for s in cand.configs if cand.configs[s].backward_s == 0.0]
-        trained = [s for s in cand.configs if s not in ahead] or list(cand.configs)
-        if not ahead or ahead == trained:
-            return f"every rank runs {' -> '.join(trained)} per micro-batch ({m} per step), then STEP"
-        described = []
-        for s in ahead:
-            c = cand.configs[s]
-            turns = c.dp > cand.micro_batch  # replicas take turns: each runs a share of the step's samples
-            described.append(f"{s} ({cand.global_batch // c.dp} sample(s) per replica)" if turns else s)
-        return (
-            f"every rank first runs {', '.join(described)} for all {m} micro-batches, then "
-            f"{' -> '.join(trained)} per micro-batch, then STEP"
-        )
-    groups: dict[tuple[int, ...], list[str]] = {}
-    for s in cand.configs:
-        groups.setdefault(cand.ranks[s], []).append(s)
-    parts = []
-    for ranks, members in groups.items():
-        work = " + ".join(
-            f"{s} {'F+B' if cand.configs[s].backward_s else 'F'} ({cand.configs[s].time:.3g} s)" for s in members
-        )
-        parts.append(f"ranks {format_ranks(ranks, max_runs=3)}: {m} x [{work}]")
-    return "; ".join(parts) + "; 1F1B across trainable groups, frozen groups run ahead"
-
-
-# ---- search ------------------------------------------------------------------------------------
 class Planner:
     """Searches layouts for ``workload`` on ``cluster`` (see the module docstring)."""
 
@@ -1038,7 +575,7 @@ class Planner:
                     cfg = self.best_config(s, b, dp, m, sp=[(u, r)], reserved=reserved)
                     if cfg is not None:
                         found.append(cfg)
-            return sorted(found, key=lambda c: _per_micro_batch(c, b))
+            return sorted(found, key=lambda c: per_micro_batch(c, b))
 
         def choose(i: int, reserved: float) -> dict[str, StageConfig] | None:
             if i == len(order):
@@ -1067,7 +604,7 @@ class Planner:
                 for i in range(best.ulysses * best.ring)
             )
         configs = {s: chosen[s] for s in self.w.order}
-        est = m * sum(_per_micro_batch(c, b) for c in configs.values()) + sum(c.sync_s for c in configs.values())
+        est = m * sum(per_micro_batch(c, b) for c in configs.values()) + sum(c.sync_s for c in configs.values())
         name = "colocated" if sequence_parallel else "colocated-sequential"
         return Candidate(
             name, "colocated", configs, {s: groups[s] for s in configs}, b, m, self.cluster.world_size, est
@@ -1180,13 +717,6 @@ class Planner:
         return cost
 
 
-def _per_micro_batch(c: StageConfig, b: int) -> float:
-    """A rank's time for ``c`` per micro-batch of ``b`` samples, averaged over a step: replicas whose
-    shares differ or that take turns (more replicas than samples) each work on ``b / dp`` samples of
-    a micro-batch on average, at ``c.time`` per ``c.samples``."""
-    return c.time * b / (c.dp * c.samples)
-
-
 def _reduce(cand: Candidate) -> Candidate | None:
     """The same candidate with data-parallel replicas merged by their common factor ``k``: the
     plan repeats every ``world / k`` ranks, so its first period is simulated."""
@@ -1233,25 +763,3 @@ def _divisors(n: int) -> list[int]:
 
 def _largest_divisor_le(n: int, limit: int) -> int:
     return max(d for d in _divisors(n) if d <= limit)
-
-
-def summarize(reports: Sequence[PlanReport]) -> list[dict[str, Any]]:
-    """The benchmark's per-(workload, cluster) entries."""
-    out = []
-    for r in reports:
-        out.append(
-            {
-                "workload": r.workload,
-                "cluster": r.cluster,
-                "gpus": r.world_size,
-                "vs_colocated": r.vs(r.colocated),
-                "vs_uniform": r.vs(r.uniform),
-                "vs_lower_bound": r.best.samples_per_s / r.lower_bound_samples_per_s,
-                "plan_seconds": r.plan_seconds,
-                "fits_memory": r.best.fits_memory,
-                "samples_per_s": r.best.samples_per_s,
-                "mfu": r.best.mfu,
-                "layout": r.best.candidate.layout,
-            }
-        )
-    return out

@@ -16,7 +16,8 @@ from mmpipe.graph import Graph
 from mmpipe.kernels import registry as kernels
 from mmpipe.models import training_stages
 from mmpipe.rundir import PLAN_FILE, VAL_PLAN_FILE
-from mmpipe.sched.plan import ActionKind, DeviceGroup, Plan, parse_placement
+from mmpipe.sched.plan import ActionKind, DeviceGroup, Plan
+from mmpipe.sched.results import parse_placement
 from mmpipe.sched.schedule import ScheduleKind, build_plan
 
 logger = logging.getLogger(__name__)

@@ -12,10 +12,13 @@ from typing import Any
 from mmpipe.assemble.graphs import planning_graph
 from mmpipe.config import DataConfig, ModelConfig, PlanConfig, RunConfig
 from mmpipe.graph import Graph
+from mmpipe.sched.analytic import Workload
+from mmpipe.sched.calibration import Calibration
 from mmpipe.sched.cluster import Cluster
 from mmpipe.sched.cost import ShapeDtype, measure_graph_costs
-from mmpipe.sched.plan import DeviceGroup, placement_config
-from mmpipe.sched.planner import Calibration, Candidate, Planner, PlanReport, PlanResult, Workload
+from mmpipe.sched.plan import DeviceGroup
+from mmpipe.sched.planner import Planner
+from mmpipe.sched.results import Candidate, PlanReport, PlanResult, placement_config
 
 logger = logging.getLogger(__name__)
 

@@ -84,7 +84,7 @@ def build_arch_graph(model: ModelConfig) -> Graph:
         edges = U2G_TRAIN_EDGES
     g.add_stage(vae)
     g.add_stage(dit)
-    for src, dst in edges:  # the same wiring as the trainable graphs of mmpipe.pipelines
+    for src, dst in edges:  # the same wiring as the trainable graphs of mmpipe.models.wan and mmpipe.models.u2g
         g.connect(src, dst)
     g.validate()
     return g

@@ -33,9 +33,10 @@ from mmpipe.config import RunConfig, from_dict
 from mmpipe.errors import PlanError
 from mmpipe.rundir import PLAN_FILE
 from mmpipe.runtime.events import read_events
+from mmpipe.sched.analytic import Workload
+from mmpipe.sched.calibration import Calibration
 from mmpipe.sched.cluster import Cluster
 from mmpipe.sched.plan import Plan
-from mmpipe.sched.planner import Calibration, Workload
 from mmpipe.sched.simulator import calibrate, simulate
 
 COMPUTE = frozenset({"F", "B", "STEP"})

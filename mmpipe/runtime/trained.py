@@ -28,7 +28,7 @@ def check_trained_run(run_dir: Path, *, key: str = "ckpt") -> None:
 
 def load_trained_graph(run_dir: Path, device: DeviceType = DeviceType.CPU) -> T2VGraph:
     """The run's inference graph on ``device`` (bf16 text encoder and DiT on CUDA, as
-    :func:`~mmpipe.pipelines.place_graph` places them) with the DiT weights of its latest
+    :func:`~mmpipe.models.wan.place_graph` places them) with the DiT weights of its latest
     checkpoint and the run's ``model.kernels`` resolved for ``device``."""
     cfg = load_run_config(run_dir)
     choice = generation_kernels(cfg, device)  # an unavailable kernel is an error before any load

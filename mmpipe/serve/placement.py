@@ -45,7 +45,7 @@ COMPONENTS = {"text": "text_encoder", "denoise": "transformer", "decode": "vae"}
 
 def place_stages(graph: Any, device: torch.device, stages: Collection[str]) -> None:
     """Move the modules of ``stages`` (of ``text``, ``denoise``, ``decode``) of the inference graph onto
-    ``device`` in its serving precision (:func:`mmpipe.pipelines.component_dtypes`); the other
+    ``device`` in its serving precision (:func:`mmpipe.models.wan.component_dtypes`); the other
     stages' modules stay on the host, where a group that never runs them leaves them. On CPU
     nothing is touched (float32, as loaded)."""
     from mmpipe.models.wan import component_dtypes, place_module

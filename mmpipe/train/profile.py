@@ -15,9 +15,9 @@ from pathlib import Path
 
 from mmpipe.assemble.graphs import planning_graph
 from mmpipe.config import DataConfig, ModelConfig
+from mmpipe.sched.calibration import Calibration
 from mmpipe.sched.cluster import Cluster
 from mmpipe.sched.cost import measure_graph_costs
-from mmpipe.sched.planner import Calibration
 
 
 def profile(

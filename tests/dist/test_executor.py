@@ -22,7 +22,8 @@ from mmpipe.runtime import procs
 from mmpipe.runtime.executor import Executor
 from mmpipe.runtime.launch import free_port
 from mmpipe.runtime.mesh import MeshOwner
-from mmpipe.sched.plan import ActionKind, parse_placement
+from mmpipe.sched.plan import ActionKind
+from mmpipe.sched.results import parse_placement
 from mmpipe.sched.schedule import build_plan
 
 MICRO, ROWS = 2, 4

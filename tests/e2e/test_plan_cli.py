@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from mmpipe.sched.planner import Calibration
+from mmpipe.sched.calibration import Calibration
 
 SMALL = [
     "data.frames=9",

@@ -107,7 +107,7 @@ def test_a_save_killed_between_files_resumes_from_the_previous_checkpoint(
     """Fault injection: the save of step 4 dies after DCP wrote its files and before they are
     synced and published. ``latest`` still names step 2; the next run removes the leftover
     ``step_00000004.tmp`` and ends bitwise where an uninterrupted run ends."""
-    import mmpipe.checkpoint as ckpt
+    import mmpipe.runtime.checkpoint as ckpt
 
     full = train(small_run(tmp_path / "full", steps=6, ckpt_every=2))
     real = ckpt._fsync_tree
@@ -136,7 +136,7 @@ def test_the_marker_moves_atomically(tmp_path: Path, monkeypatch: pytest.MonkeyP
     """``latest`` is replaced by a rename of a synced temporary file, never rewritten in place."""
     import os
 
-    import mmpipe.checkpoint as ckpt
+    import mmpipe.runtime.checkpoint as ckpt
 
     replaced: list[tuple[str, str]] = []
     real = os.replace

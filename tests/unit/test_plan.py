@@ -9,7 +9,8 @@ import pytest
 from toy_graphs import FANOUT, T2V, U2G, G
 
 from mmpipe.errors import PlanError
-from mmpipe.sched.plan import Action, ActionKind, DeviceGroup, Plan, overlapping_ranks, parse_placement, send_window
+from mmpipe.sched.plan import Action, ActionKind, DeviceGroup, Plan, overlapping_ranks, send_window
+from mmpipe.sched.results import parse_placement
 from mmpipe.sched.schedule import ScheduleKind, build_plan
 
 PLACEMENTS = [

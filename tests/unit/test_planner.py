@@ -17,10 +17,12 @@ import pytest
 
 from mmpipe.errors import PlanError
 from mmpipe.graph import Capabilities
+from mmpipe.sched.analytic import USABLE_MEMORY, CostModel, Workload
+from mmpipe.sched.calibration import Calibration
 from mmpipe.sched.cluster import Cluster, Level
 from mmpipe.sched.cost import StageCost
 from mmpipe.sched.plan import DeviceGroup, Plan
-from mmpipe.sched.planner import USABLE_MEMORY, Calibration, CostModel, Planner, Workload
+from mmpipe.sched.planner import Planner
 from mmpipe.sched.simulator import simulate
 
 GOLDEN = Path(__file__).parent.parent / "golden"

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from toy_graphs import T2V, U2G
 
-from mmpipe.sched.plan import Action, ActionKind, parse_placement
+from mmpipe.sched.plan import Action, ActionKind
+from mmpipe.sched.results import parse_placement
 from mmpipe.sched.schedule import build_plan
 from mmpipe.sched.simulator import bubble_fractions, calibrate, simulate
 

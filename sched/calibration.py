@@ -1,0 +1,61 @@
+"""The planner's calibration: per stage and direction, the fraction of the device's peak FLOP/s a
+machine achieved (``mmpipe profile`` measures it), plus the step overhead and the transport's
+latency and bandwidth."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """What ``mmpipe profile`` measured on one device kind.
+
+    Per stage: the achieved fraction of peak FLOP/s of its forward and backward
+    (``forward``/``backward``), a fixed cost per action (``forward_overhead_s`` /
+    ``backward_overhead_s``: launch and framework time that does not scale with the batch) and its
+    optimizer step (``step_s``); per run: the per-step overhead outside actions and the transport's
+    per-message latency and bandwidth.
+    """
+
+    device: str
+    peak_flops: float
+    stages: Mapping[str, Mapping[str, float]]
+    step_overhead_s: float = 0.0
+    latency_s: float | None = None
+    bandwidth: float | None = None
+    collective_latency_s: float | None = None
+    collective_bandwidth: float | None = None
+
+    def efficiency(self, stage: str, direction: str, default: float) -> float:
+        return float(self.stages.get(stage, {}).get(direction, default))
+
+    def value(self, stage: str, key: str) -> float:
+        return float(self.stages.get(stage, {}).get(key, 0.0))
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        raw = dataclasses.asdict(self) | {"stages": {k: dict(v) for k, v in self.stages.items()}}
+        path.write_text(json.dumps(raw, indent=2) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> Calibration:
+        try:
+            raw = json.loads(Path(path).read_text())
+            return cls(
+                str(raw["device"]),
+                float(raw["peak_flops"]),
+                {str(k): {str(a): float(b) for a, b in v.items()} for k, v in raw["stages"].items()},
+                float(raw.get("step_overhead_s", 0.0)),
+                raw.get("latency_s"),
+                raw.get("bandwidth"),
+                raw.get("collective_latency_s"),
+                raw.get("collective_bandwidth"),
+            )
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{str(path)!r} is not a calibration file written by `mmpipe profile`: {e}") from e
