@@ -9,13 +9,17 @@ from pathlib import Path
 
 import torch
 
+from mmpipe.assemble.graphs import sample_inputs
 from mmpipe.config import RunConfig, StageParallelConfig
 from mmpipe.devices import DeviceType, resolve_device, run_devices
 from mmpipe.errors import PlanError
 from mmpipe.graph import Graph
 from mmpipe.kernels import registry as kernels
+from mmpipe.memory.budget import FILE_TIER_BYTES_PER_S, BlockPricing, choose_policies
 from mmpipe.models import training_stages
 from mmpipe.rundir import PLAN_FILE, VAL_PLAN_FILE
+from mmpipe.sched.cluster import Cluster
+from mmpipe.sched.cost import build_meta_module, measure_graph_costs, repeated_blocks
 from mmpipe.sched.plan import ActionKind, DeviceGroup, Plan
 from mmpipe.sched.results import parse_placement
 from mmpipe.sched.schedule import ScheduleKind, build_plan
@@ -155,7 +159,6 @@ def apply_memory(graph: Graph, placement: dict[str, DeviceGroup], plan: Plan, cf
 
 def count_blocks(graph: Graph, stage: str) -> int:
     """The number of repeated blocks of ``stage``'s module, counted on the meta device (no weights)."""
-    from mmpipe.sched.cost import build_meta_module, repeated_blocks
 
     blocks = repeated_blocks(build_meta_module(graph.stages[stage], torch.float32))
     if not blocks:
@@ -172,7 +175,6 @@ def device_budget_gb(graph: Graph, stage: str, placement: dict[str, DeviceGroup]
     devices = run_devices(cfg, local_ranks=0)
     if devices.device is not DeviceType.CUDA:
         raise PlanError(f"memory.{stage}.policy=auto: give memory.{stage}.budget_gb on CPU ranks (GiB per rank)")
-    from mmpipe.sched.cost import build_meta_module
 
     rank = placement[stage].ranks[0]
     others = 0
@@ -191,10 +193,6 @@ def auto_memory(
     """The budget planner's fractions for ``stage`` on one of its ranks: its cost measured on the meta
     device for this run's shapes, the micro-batches the schedule keeps in flight on that rank, and
     its parameters, gradients and Adam moments (16 bytes a parameter, sharded over the group)."""
-    from mmpipe.assemble.graphs import sample_inputs
-    from mmpipe.memory.budget import FILE_TIER_BYTES_PER_S, BlockPricing, choose_policies
-    from mmpipe.sched.cluster import Cluster
-    from mmpipe.sched.cost import measure_graph_costs
 
     data = cfg.data
     devices = run_devices(cfg, local_ranks=0)

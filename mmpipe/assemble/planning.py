@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from mmpipe.assemble.graphs import planning_graph
+from mmpipe.assemble.graphs import planning_graph, sample_inputs
 from mmpipe.config import DataConfig, ModelConfig, PlanConfig, RunConfig
 from mmpipe.graph import Graph
 from mmpipe.sched.analytic import Workload
@@ -135,9 +135,6 @@ def report_json(graph: Graph, report: PlanReport) -> dict[str, Any]:
 
 def auto_placement(graph: Graph, cfg: RunConfig) -> dict[str, Any]:
     """The planner's placement of ``graph`` on ``launch.nproc`` local CPU ranks (config form)."""
-    from mmpipe.assemble.graphs import sample_inputs
-    from mmpipe.assemble.planning import default_calibration_path, plan
-    from mmpipe.sched.cluster import Cluster
 
     data = cfg.data
     path = default_calibration_path()

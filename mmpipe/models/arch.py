@@ -16,7 +16,14 @@ from transformers import AutoConfig
 
 from mmpipe.config import ModelConfig
 from mmpipe.graph import Graph, TensorSpec
+from mmpipe.models.u2g import U2G_TRAIN_EDGES
+from mmpipe.models.wan import T2V_TRAIN_EDGES, build_word_tokenizer
+from mmpipe.stages import WanDiTFlowMatchingStage, WanVAEEncodeStage
 from mmpipe.stages._source import ModuleSource
+from mmpipe.stages.dit import HunyuanVideoDiTFlowMatchingStage
+from mmpipe.stages.multimodal import ConnectorConfig, ConnectorStage, MultimodalLLMStage, VisionEncoderStage
+from mmpipe.stages.text import CausalLMTextEncoderStage, T5TextEncoderStage
+from mmpipe.stages.vae import HunyuanVAEEncodeStage
 
 _DIFFUSERS = {
     ("vae", "wan"): AutoencoderKLWan,
@@ -28,13 +35,6 @@ _DIFFUSERS = {
 
 def build_arch_graph(model: ModelConfig) -> Graph:
     """The training graph of a full-size architecture preset (modules exist as configs only)."""
-    from mmpipe.models.u2g import U2G_TRAIN_EDGES
-    from mmpipe.models.wan import T2V_TRAIN_EDGES, build_word_tokenizer
-    from mmpipe.stages import WanDiTFlowMatchingStage, WanVAEEncodeStage
-    from mmpipe.stages.dit import HunyuanVideoDiTFlowMatchingStage
-    from mmpipe.stages.multimodal import ConnectorConfig, ConnectorStage, MultimodalLLMStage, VisionEncoderStage
-    from mmpipe.stages.text import CausalLMTextEncoderStage, T5TextEncoderStage
-    from mmpipe.stages.vae import HunyuanVAEEncodeStage
 
     arch = dict(model.arch or {})
     need = ["vae", "dit"] + (["vision", "llm", "connector"] if model.kind == "u2g" else ["text"])

@@ -18,6 +18,7 @@ from mmpipe.stages import (
     WanDiTFlowMatchingStage,
     WanVAEEncodeStage,
 )
+from mmpipe.stages.multimodal import Connector, ConnectorStage, ImageTextLM, MultimodalLLMStage, VisionEncoderStage
 
 
 def build_u2g_training_graph(pipeline_dir: str | Path, *, text_len: int) -> Graph:
@@ -25,8 +26,6 @@ def build_u2g_training_graph(pipeline_dir: str | Path, *, text_len: int) -> Grap
     trainable connector -> trainable DiT (flow matching), with the frozen Wan VAE encoding the
     target video. Gradients cross two stage boundaries (dit -> connector -> llm)."""
     from diffusers import UniPCMultistepScheduler
-
-    from mmpipe.stages.multimodal import ConnectorStage, MultimodalLLMStage, VisionEncoderStage
 
     root = Path(pipeline_dir)
     shift = flow_shift_of(UniPCMultistepScheduler.load_config(root / "scheduler"))
@@ -64,8 +63,6 @@ def save_tiny_u2g_pipeline(spec: ModelConfig, texts: Sequence[str], path: str | 
     """An understand-then-generate pipeline: the Wan layout (vae/, transformer/, scheduler/,
     tokenizer/) plus vision/ (SigLIP), llm/ (Qwen2 + image projector) and connector/."""
     from transformers import SiglipVisionConfig, SiglipVisionModel
-
-    from mmpipe.stages.multimodal import Connector, ImageTextLM
 
     path = Path(path)
     pipe: Any = build_tiny_wan_pipeline(spec, texts, seed=seed)

@@ -22,6 +22,7 @@ Legend: B batch, Z latent channels, t/h/w latent frames/height/width, T/H/W pixe
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -379,7 +380,6 @@ def check_pipeline_dir(path: str | Path, *, key: str = "pipeline") -> Path:
     from its ``model_index.json``, component folders and safetensors headers without loading any
     weights (so a training, serving or generation run refuses a bad directory before a worker
     starts); raises ``ValueError`` naming ``key``, the directory and what is wrong."""
-    import json
 
     root = Path(path)
     where = f"{key}={str(root)!r}"

@@ -35,6 +35,9 @@ from typing import Any
 import torch
 
 from mmpipe.config import TraceConfig
+from mmpipe.report.analysis import read_memory
+from mmpipe.runtime.events import EventRecorder, read_events
+from mmpipe.sched.plan import Action, ActionKind
 
 MEMORY_INTERVAL_S = 0.2
 PROFILER_DIR = "profiler"
@@ -177,8 +180,6 @@ def record_generation(graph: Any, run_dir: Path, *, per_call: tuple[str, ...] = 
     in ``per_call``, whose every module call is an event (the denoiser: one per sampling step and
     guidance branch); memory samples; ``trace.json`` at the end. Stages are wrapped, not changed:
     their ``forward`` is restored on exit."""
-    from mmpipe.runtime.events import EventRecorder
-    from mmpipe.sched.plan import Action, ActionKind
 
     recorder = EventRecorder(run_dir, 0)
     recorder.phase = "generate"
@@ -300,8 +301,6 @@ def _flows(events: list[dict[str, Any]], t0: float) -> list[dict[str, Any]]:
 
 def write_chrome_trace(run_dir: Path) -> Path:
     """Write ``RUN_DIR/trace.json`` from the run's events and memory samples."""
-    from mmpipe.report.analysis import read_memory
-    from mmpipe.runtime.events import read_events
 
     path = run_dir / TRACE_FILE
     path.write_text(json.dumps(chrome_trace(read_events(run_dir), read_memory(run_dir))))

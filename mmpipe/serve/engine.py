@@ -59,6 +59,7 @@ import logging
 import os
 import queue
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -73,9 +74,20 @@ import torch
 import yaml
 
 from mmpipe.config import ServeConfig, to_dict
+from mmpipe.data import caption_vocabulary, frames_to_uint8
 from mmpipe.devices import DeviceType, rank_device, resolve_device
 from mmpipe.errors import cause, loading_errors
+from mmpipe.models.wan import check_pipeline_dir, from_diffusers, save_tiny_wan_pipeline
+from mmpipe.report.recording import MemorySampler
 from mmpipe.runtime import procs
+from mmpipe.runtime.events import EventRecorder
+from mmpipe.runtime.launch import free_port
+from mmpipe.runtime.trained import check_trained_run, load_trained_graph
+from mmpipe.runtime.transport import HEADER_LEN, isend_tensors, nbytes, parse_header
+from mmpipe.sched.plan import Action, ActionKind
+from mmpipe.serve.batching import make_row_exact
+from mmpipe.serve.metrics import ServeMetrics
+from mmpipe.serve.placement import load_wan_pipeline, place_stages, resolve_placement
 from mmpipe.serve.protocol import WORKER_RESTARTED, GenerationRequest, Job, JobStatus, QueueFull
 
 logger = logging.getLogger(__name__)
@@ -107,16 +119,11 @@ GraphFactory = Callable[[dict[str, Any]], Any]  # (source spec) -> T2VGraph, run
 def default_graph(spec: dict[str, Any]) -> Any:
     """The inference graph of a source spec: a trained run (``ckpt``), or a pipeline directory (on
     CUDA loaded in serving precision, as diffusers loads it; see :mod:`mmpipe.serve.placement`)."""
-    from mmpipe.models.wan import from_diffusers
 
     if spec.get("ckpt"):
-        from mmpipe.runtime.trained import load_trained_graph
-
         return load_trained_graph(Path(spec["ckpt"]))
     with loading_errors(f"pipeline={str(spec['pipeline'])!r}"):
         if spec.get("device", "cpu") == DeviceType.CUDA:
-            from mmpipe.serve.placement import load_wan_pipeline
-
             pipe = load_wan_pipeline(spec["pipeline"])
             return from_diffusers(pipe, max_sequence_length=spec["text_len"])
         return from_diffusers(spec["pipeline"], max_sequence_length=spec["text_len"])
@@ -148,8 +155,6 @@ class Engine:
         self, cfg: ServeConfig, *, metrics: Any | None = None, graph_factory: GraphFactory | None = None
     ) -> None:
         if metrics is None:
-            from mmpipe.serve.metrics import ServeMetrics
-
             metrics = ServeMetrics()
         self.device = resolve_device(cfg.device, key="device")  # before anything is written or started
         cfg = self._placed(cfg)
@@ -192,7 +197,6 @@ class Engine:
     # ---- set-up ------------------------------------------------------------------------------
     def _placed(self, cfg: ServeConfig) -> ServeConfig:
         """``cfg`` with the placement to run: the device's default when none was given."""
-        from mmpipe.serve.placement import resolve_placement
 
         gpus = torch.cuda.device_count() if self.device is DeviceType.CUDA else 0
         return dataclasses.replace(cfg, placement=resolve_placement(cfg.placement, self.device, gpus))
@@ -206,18 +210,13 @@ class Engine:
     def _source_spec(self, cfg: ServeConfig) -> dict[str, Any]:
         """What each worker builds its graph from, checked here so that a bad directory is refused
         before any worker starts."""
-        from mmpipe.models.wan import check_pipeline_dir
 
         if cfg.ckpt:
-            from mmpipe.runtime.trained import check_trained_run
-
             check_trained_run(Path(cfg.ckpt))
             return {"ckpt": cfg.ckpt}
         if cfg.pipeline:
             check_pipeline_dir(cfg.pipeline)
             return {"pipeline": cfg.pipeline, "text_len": cfg.text_len or 512}  # WanPipeline.__call__'s default
-        from mmpipe.data import caption_vocabulary
-        from mmpipe.models.wan import save_tiny_wan_pipeline
 
         if cfg.model.path is not None:
             check_pipeline_dir(cfg.model.path, key="model.path")
@@ -232,7 +231,6 @@ class Engine:
         """Start one worker per group and wait until each is ready. Every start (the first, and each
         restart) gets a fresh rendezvous port and fresh queues, so nothing a previous generation of
         workers left behind (a half-formed gloo group, unread messages) reaches the new one."""
-        from mmpipe.runtime.launch import free_port
 
         cfg = self.cfg
         ctx = procs.context([__name__])
@@ -552,9 +550,6 @@ def _worker_main(
     outbox: Any,
 ) -> None:
     """Entry point of one group's process."""
-    import signal
-
-    from mmpipe.serve.placement import place_stages
 
     procs.adopt_environment(init["env"])
 
@@ -640,9 +635,6 @@ class _GroupWorker:
         run_dir: Path,
         device: torch.device,
     ) -> None:
-        from mmpipe.report.recording import MemorySampler
-        from mmpipe.runtime.events import EventRecorder
-        from mmpipe.serve.batching import make_row_exact
 
         self.group, self.world, self.graph, self.device = group, world, graph, device
         self.inbox, self.outbox = inbox, outbox
@@ -674,7 +666,6 @@ class _GroupWorker:
                 threading.Thread(target=self._receive_from, args=(peer,), name=f"recv{peer}", daemon=True).start()
 
     def _record(self, stage: str, kind: str, number: int, start: float, nbytes: int = 0, **extra: Any) -> None:
-        from mmpipe.sched.plan import Action, ActionKind
 
         action = Action(stage, ActionKind(kind), number, extra.pop("dst", None), extra.pop("peer", None))
         with self.record_lock:
@@ -690,7 +681,6 @@ class _GroupWorker:
     def _receive_from(self, peer: int) -> None:
         """Receiver thread of one peer: whole messages, in order, into the loop's event queue. (Gloo's
         point-to-point works report completion only from ``wait()``, so a thread blocks on them.)"""
-        from mmpipe.runtime.transport import HEADER_LEN, nbytes, parse_header
 
         try:
             while True:
@@ -712,7 +702,6 @@ class _GroupWorker:
                 logger.warning("receiving from group %d stopped: %s", peer, err)
 
     def _send(self, dst: int, kind: int, number: int, tensors: list[torch.Tensor], edge: str) -> None:
-        from mmpipe.runtime.transport import isend_tensors, nbytes
 
         self.outbox.put(("edge", edge, nbytes(tensors)))
         if dst == self.group:
@@ -937,7 +926,6 @@ class _GroupWorker:
     def _run_decode(self) -> bool:
         if not self.decode_queue:
             return False
-        from mmpipe.data import frames_to_uint8
 
         batch = self._take(self.decode_queue)
         start = time.perf_counter()

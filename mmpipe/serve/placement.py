@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from mmpipe.devices import DeviceType
+from mmpipe.models.wan import component_dtypes, place_module
 
 
 def default_placement(device: DeviceType, gpus: int) -> dict[str, list[int]]:
@@ -48,7 +49,6 @@ def place_stages(graph: Any, device: torch.device, stages: Collection[str]) -> N
     ``device`` in its serving precision (:func:`mmpipe.models.wan.component_dtypes`); the other
     stages' modules stay on the host, where a group that never runs them leaves them. On CPU
     nothing is touched (float32, as loaded)."""
-    from mmpipe.models.wan import component_dtypes, place_module
 
     if device.type == "cpu":
         return

@@ -21,6 +21,7 @@ import uvicorn
 
 from mmpipe.config import ServeConfig
 from mmpipe.serve.app import API_KEY_ENV, ServingEngine, create_app, resolve_api_key
+from mmpipe.serve.engine import Engine
 
 _START_TIMEOUT_S = 60.0
 
@@ -74,7 +75,6 @@ def bind(host: str, port: int) -> socket.socket:
 
 def serve(cfg: ServeConfig) -> None:
     """Serve ``cfg``'s graph until Ctrl-C / SIGTERM; drain in-flight requests, then return."""
-    from mmpipe.serve.engine import Engine
 
     resolve_api_key(
         cfg.api_key, env={}

@@ -14,10 +14,15 @@ import tempfile
 from pathlib import Path
 
 from mmpipe.assemble.graphs import planning_graph
-from mmpipe.config import DataConfig, ModelConfig
+from mmpipe.config import DataConfig, LaunchConfig, ModelConfig, RunConfig, TrainConfig
+from mmpipe.devices import DeviceType, resolve_device
+from mmpipe.runtime.events import read_events
+from mmpipe.runtime.probe import probe_transport
 from mmpipe.sched.calibration import Calibration
 from mmpipe.sched.cluster import Cluster
 from mmpipe.sched.cost import measure_graph_costs
+from mmpipe.sched.simulator import measured_step_time
+from mmpipe.train import train
 
 
 def profile(
@@ -47,11 +52,6 @@ def profile(
         raise ValueError(f"profile needs two growing micro-batch sizes, got {micro_sizes}")
     if steps <= warmup + 1:
         raise ValueError(f"profile needs steps > warmup + 1, got steps={steps} warmup={warmup}")
-    from mmpipe.config import LaunchConfig, RunConfig, TrainConfig
-    from mmpipe.devices import DeviceType, resolve_device
-    from mmpipe.runtime.events import read_events
-    from mmpipe.sched.simulator import measured_step_time
-    from mmpipe.train import train
 
     cuda = resolve_device(device) is DeviceType.CUDA
     cluster = Cluster.local_cuda(1) if cuda else Cluster.local(1)
@@ -111,7 +111,5 @@ def profile(
         stages[name] = entry
     transport: dict[str, float] = {}
     if probe and not cuda:
-        from mmpipe.runtime.probe import probe_transport
-
         transport = probe_transport()
     return Calibration(cluster.device, cluster.peak_flops, stages, statistics.median(overheads), **transport)
