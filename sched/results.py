@@ -286,9 +286,10 @@ def parse_placement(raw: Mapping[str, Sequence[int] | Mapping[str, object]]) -> 
             gather_once = spec.get("gather_once", False)
             if not isinstance(gather_once, bool):
                 raise PlanError(f"placement.{stage}.gather_once must be true or false, got {gather_once!r}")
-            blocks = spec.get("blocks") or ""
-            if not isinstance(blocks, str):
-                raise PlanError(f"placement.{stage}.blocks must be a string of k, o, r and s, got {blocks!r}")
+            raw_blocks = spec.get("blocks") or ""
+            if not isinstance(raw_blocks, str):
+                raise PlanError(f"placement.{stage}.blocks must be a string of k, o, r and s, got {raw_blocks!r}")
+            blocks = raw_blocks
         else:
             ranks, dp, extra, gather_once = spec, len(spec), {}, False
         if not isinstance(ranks, Sequence) or not all(isinstance(r, int) for r in ranks):
