@@ -56,7 +56,8 @@ from diffusers.utils import logging as diffusers_logging
 
 from mmpipe.memory.budget import FILE_TIER_BYTES_PER_S, BlockPricing, choose_policies
 from mmpipe.memory.host import HostTier
-from mmpipe.memory.policy import BlockPolicy, FileTier, Tier, apply_block_policies, count_saved_bytes
+from mmpipe.memory.policy import BlockPolicy, apply_block_policies, count_saved_bytes
+from mmpipe.memory.tiers import FileTier, Tier
 from mmpipe.sched.cost import measure_stage_cost
 from mmpipe.stages._source import ModuleSource
 from mmpipe.stages.dit import WanDiTFlowMatchingStage

@@ -33,6 +33,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from tqdm import tqdm
+
+from mmpipe.kernels import _triton
 
 # The largest dynamic shared memory a block may opt into, per compute capability (CUDA programming
 # guide, "Technical Specifications per Compute Capability").
@@ -74,7 +77,7 @@ class Failure:
 def _compile_only(arch: int) -> Iterator[list[Any]]:
     """Within: Triton targets ``sm_<arch>`` and every launch compiles without running; yields the list
     of ``(kernel name, constexprs, compiled kernel)`` the launches produced."""
-    from triton.backends.compiler import GPUTarget
+    from triton.backends.compiler import GPUTarget  # optional dependency: main() checks for triton first
     from triton.runtime.autotuner import Autotuner
     from triton.runtime.driver import driver
     from triton.runtime.jit import JITFunction
@@ -121,7 +124,7 @@ def _compile_only(arch: int) -> Iterator[list[Any]]:
 @contextlib.contextmanager
 def _cpu_tensors_accepted() -> Iterator[None]:
     """The kernels' "can this run here" checks, answered yes for CPU tensors (nothing runs)."""
-    from mmpipe.kernels import attention, norm, rope
+    from mmpipe.kernels import attention, norm, rope  # they import triton: after main() has set its environment
 
     modules = [vars(m) for m in (attention, norm, rope)]  # each imported `can_run` by name
     saved = [m["can_run"] for m in modules]
@@ -140,8 +143,11 @@ def _resources(kernel: Any, arch: int) -> tuple[int, int, int]:
     ``cuobjdump`` reads registers, shared memory and the stack frame from the cubin. A frame may hold
     spilled registers or local arrays (float64 ``sin`` keeps one); only when there is a frame is
     ``ptxas -v`` run again on the PTX, with the compiler's architecture, to count the spill stores."""
-    import triton
-    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+    import triton  # optional dependency: main() checks for triton first
+    from triton.backends.nvidia.compiler import (  # optional dependency: main() checks for triton first
+        get_ptxas,
+        sm_arch_from_capability,
+    )
 
     with tempfile.TemporaryDirectory() as tmp:
         cubin, ptx = os.path.join(tmp, "k.cubin"), os.path.join(tmp, "k.ptx")
@@ -165,7 +171,7 @@ def _resources(kernel: Any, arch: int) -> tuple[int, int, int]:
 
 
 def _attention_cases(quick: bool) -> Iterator[tuple[str, Callable[[], None]]]:
-    from mmpipe.kernels import attention as fa
+    from mmpipe.kernels import attention as fa  # imports triton: after main() has set its environment
 
     dtypes = [torch.bfloat16] if quick else [torch.bfloat16, torch.float16, torch.float32, torch.float64]
     dims = [128] if quick else [64, 128]
@@ -200,7 +206,7 @@ def _attention_launch(fa: Any, dtype: torch.dtype, d: int, causal: bool, varlen:
 
 
 def _norm_cases(quick: bool) -> Iterator[tuple[str, Callable[[], None]]]:
-    from mmpipe.kernels import norm
+    from mmpipe.kernels import norm  # imports triton: after main() has set its environment
 
     dtypes = [torch.bfloat16] if quick else [torch.bfloat16, torch.float32, torch.float64]
     widths = [5120] if quick else [1536, 3072, 5120]  # Wan 2.1 1.3B, 5B, 14B
@@ -223,7 +229,7 @@ def _norm_launch(norm: Any, dtype: torch.dtype, d: int, rms: bool) -> Callable[[
 
 
 def _rope_cases(quick: bool) -> Iterator[tuple[str, Callable[[], None]]]:
-    from mmpipe.kernels import rope
+    from mmpipe.kernels import rope  # imports triton: after main() has set its environment
 
     dtypes = [torch.bfloat16] if quick else [torch.bfloat16, torch.float32, torch.float64]
     heads = [40] if quick else [12, 24, 40]
@@ -248,8 +254,6 @@ def compile_all(arch: int, *, quick: bool = False) -> tuple[list[Compiled], list
     failed: list[Failure] = []
     seen: set[str] = set()
     try:
-        from tqdm import tqdm
-
         progress: Any = tqdm(cases, desc=f"compiling for sm_{arch}", unit="case", file=sys.stderr)
     except ImportError:
         progress = cases
@@ -286,7 +290,7 @@ def compile_all(arch: int, *, quick: bool = False) -> tuple[list[Compiled], list
 
 
 def report(arch: int, done: list[Compiled], failed: list[Failure], max_shared: int) -> dict[str, Any]:
-    import triton
+    import triton  # optional dependency: main() checks for triton first
 
     too_big = [c for c in done if c.shared_bytes > max_shared]
     for c in done:
@@ -332,8 +336,6 @@ def main(argv: list[str] | None = None) -> int:
     max_shared = args.max_shared or MAX_SHARED_BYTES.get(args.arch)
     if max_shared is None:
         parser.error(f"--arch {args.arch}: no shared-memory limit known for it; pass --max-shared")
-
-    from mmpipe.kernels import _triton
 
     if not _triton.AVAILABLE:
         print("mmpipe.kernels.aot needs triton (pip install 'mmpipe[triton]')", file=sys.stderr)

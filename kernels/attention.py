@@ -44,6 +44,7 @@ from typing import Any, Literal, NamedTuple, overload
 import torch
 
 from mmpipe.kernels._triton import AVAILABLE, INTERPRETED, can_run, output, output_like
+from mmpipe.kernels.reference import math_backward, math_forward
 
 if AVAILABLE:
     import triton
@@ -80,10 +81,8 @@ def attention_reference(
     q_BHSD: torch.Tensor, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor, causal: bool, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out_BHSD, lse_BHS)`` by explicit softmax in the accumulation dtype (output in the input dtype)."""
-    from mmpipe.parallel.attention import _math_forward
-
     acc = _acc_dtype(q_BHSD.dtype)
-    out_BHSD, lse_BHS = _math_forward(q_BHSD.to(acc), k_BHTD.to(acc), v_BHTD.to(acc), causal, scale)
+    out_BHSD, lse_BHS = math_forward(q_BHSD.to(acc), k_BHTD.to(acc), v_BHTD.to(acc), causal, scale)
     return out_BHSD.to(q_BHSD.dtype), lse_BHS
 
 
@@ -98,12 +97,10 @@ def attention_reference_backward(
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` given an external ``out`` and ``lse``; rows with an LSE of ``-inf`` get no gradient."""
-    from mmpipe.parallel.attention import _math_backward
-
     acc = _acc_dtype(q_BHSD.dtype)
     # exp(s - lse) with lse = -inf is inf (or NaN for a masked s); +inf makes it exp(-inf) = 0 instead.
     lse_BHS = torch.where(torch.isneginf(lse_BHS), float("inf"), lse_BHS.to(acc))
-    dq, dk, dv = _math_backward(
+    dq, dk, dv = math_backward(
         dout_BHSD.to(acc),
         q_BHSD.to(acc),
         k_BHTD.to(acc),

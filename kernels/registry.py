@@ -1,10 +1,11 @@
-"""Which implementation each hot-path kernel uses, chosen once per process.
+"""Which implementation each hot-path kernel uses: a value, passed to what runs the kernels.
 
 Every kernel has the plain PyTorch path (``torch``, the default: kernels are opt-in) and a Triton
 one (``triton``); attention may also name ``xformers`` where it is installed (CUDA only). ``auto`` takes Triton
 on CUDA and PyTorch elsewhere. A run resolves its config (``model.kernels``) with :func:`resolve`
-before any worker starts (an unavailable choice is an error naming the key) and each worker
-installs it with :func:`configure`; the attention core and the DiT stage read :func:`chosen`.
+before any worker starts (an unavailable choice is an error naming the key); the executor and
+``mmpipe generate`` receive the resolved :class:`KernelChoice` and hand it to the stages
+(``Stage.use_kernels``, ``Stage.parallelize_sequence``). No module keeps a choice of its own.
 """
 
 from __future__ import annotations
@@ -53,17 +54,3 @@ def resolve(choice: KernelChoice, device: torch.device | str = "cpu", *, prefix:
             raise ValueError(f"{prefix}.{kernel}=xformers: xFormers' attention runs on CUDA only, not on {device.type}")
         out[kernel] = name
     return KernelChoice(**out)
-
-
-_chosen = KernelChoice()
-
-
-def configure(choice: KernelChoice) -> None:
-    """Install this process's (resolved) choice."""
-    global _chosen
-    _chosen = choice
-
-
-def chosen() -> KernelChoice:
-    """This process's choice (all ``torch`` until :func:`configure`)."""
-    return _chosen

@@ -27,7 +27,7 @@ from typing import Protocol
 
 from mmpipe.memory.policy import BlockPolicy
 
-# What the file tier (``mmpipe.memory.policy.FileTier``, the CPU runtime's activation offload) is
+# What the file tier (``mmpipe.memory.tiers.FileTier``, the CPU runtime's activation offload) is
 # priced at: the order of a local NVMe's sequential write/read bandwidth.
 FILE_TIER_BYTES_PER_S = 1e9
 

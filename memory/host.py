@@ -22,7 +22,7 @@ its buffer. Whenever every buffer has come back (a step's backwards are done), t
 classes that step did not use are let go, so a run whose shapes change does not pin ever more.
 
 The same code runs on CPU tensors with plain host buffers and synchronous copies. That moves
-nothing off the device (CPU runs offload to :class:`~mmpipe.memory.policy.FileTier`); it is how
+nothing off the device (CPU runs offload to :class:`~mmpipe.memory.tiers.FileTier`); it is how
 the CPU tests check the tier's bookkeeping, layouts and prefetch order.
 """
 
@@ -35,7 +35,7 @@ from collections.abc import Sequence
 
 import torch
 
-from mmpipe.memory.policy import Tier, TierStats, _is_dense, _span, page_rounded
+from mmpipe.memory.tiers import Tier, TierStats, _is_dense, _span, page_rounded
 
 __all__ = ["HostTier", "size_class"]
 

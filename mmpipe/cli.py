@@ -8,9 +8,11 @@ naming it.
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from hydra.errors import HydraException
@@ -18,6 +20,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from mmpipe.config import GenerateConfig, PlanConfig, ProfileConfig, RunConfig, ServeConfig, compose_config, from_dict
+from mmpipe.errors import RUN_FAILURES
 
 USAGE = """usage: mmpipe COMMAND [key=value ...] [--cfg] [--json]
 
@@ -36,10 +39,10 @@ Overrides use Hydra syntax: model=t2v_tiny_qwen train.steps=50 data.root=/videos
 def _run_train(raw: dict[str, Any]) -> None:
     cfg = from_dict(RunConfig, raw)  # validate before the heavy imports
     if cfg.launch.nproc > 1:
-        from mmpipe.runtime import procs
+        from mmpipe.runtime import procs  # start-up: the command's stack, imported when it runs
 
         procs.start_server(["mmpipe.train.worker"])  # imports overlap the run directory's preparation
-    from mmpipe.train import train
+    from mmpipe.train import train  # start-up: the command's stack, imported when it runs
 
     result = train(cfg)
     print(f"run directory: {result.run_dir}")
@@ -49,7 +52,7 @@ def _run_train(raw: dict[str, Any]) -> None:
 
 def _run_generate(raw: dict[str, Any]) -> None:
     cfg = from_dict(GenerateConfig, raw)
-    from mmpipe.generate import generate
+    from mmpipe.generate import generate  # start-up: the command's stack, imported when it runs
 
     for kind, path in generate(cfg).items():
         print(f"{kind}: {path}")
@@ -57,19 +60,22 @@ def _run_generate(raw: dict[str, Any]) -> None:
 
 def _run_serve(raw: dict[str, Any]) -> None:
     cfg = from_dict(ServeConfig, raw)
-    from mmpipe.runtime import procs
+    from mmpipe.runtime import procs  # start-up: the command's stack, imported when it runs
 
     procs.start_server(["mmpipe.serve.engine"])  # the serving groups' processes
-    from mmpipe.serve.server import serve
+    from mmpipe.serve.server import serve  # start-up: the command's stack, imported when it runs
 
     serve(cfg)
 
 
 def _run_plan(raw: dict[str, Any]) -> None:
     cfg = from_dict(PlanConfig, raw)
-    import json
 
-    from mmpipe.assemble.planning import default_calibration_path, plan_from_config, report_json
+    from mmpipe.assemble.planning import (  # start-up: the command's stack, imported when it runs
+        default_calibration_path,
+        plan_from_config,
+        report_json,
+    )
 
     if cfg.calibration is None and cfg.cluster.get("name") == "local" and default_calibration_path().is_file():
         cfg.calibration = str(default_calibration_path())
@@ -84,9 +90,11 @@ def _run_plan(raw: dict[str, Any]) -> None:
 
 def _run_profile(raw: dict[str, Any]) -> None:
     cfg = from_dict(ProfileConfig, raw)
-    from mmpipe.assemble.planning import default_calibration_path
-    from mmpipe.devices import resolve_device
-    from mmpipe.train.profile import profile
+    from mmpipe.assemble.planning import (
+        default_calibration_path,  # start-up: the command's stack, imported when it runs
+    )
+    from mmpipe.devices import resolve_device  # start-up: the command's stack, imported when it runs
+    from mmpipe.train.profile import profile  # start-up: the command's stack, imported when it runs
 
     resolve_device(cfg.device)  # device=cuda without a GPU: refused before the runs start
 
@@ -163,13 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (HydraException, OmegaConfBaseException, ValueError) as err:
         print(f"mmpipe {command}: error: {_first_line(err)}", file=sys.stderr)
         return 2
-    except RuntimeError as err:
-        from mmpipe.errors import NonFiniteError, WorkerFailure
-        from mmpipe.runtime.executor import ExecutionError
-        from mmpipe.serve.engine import ServeStartError
-
-        if not isinstance(err, WorkerFailure | ExecutionError | NonFiniteError | ServeStartError):
-            raise
+    except RUN_FAILURES as err:
         print(f"mmpipe {command}: {err}", file=sys.stderr)
         return 1
     return 0
@@ -177,7 +179,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run_report(args: list[str]) -> int:
     """``mmpipe report RUN_DIR [RUN_DIR ...] [--out FILE]``: write the HTML report, print its path."""
-    from pathlib import Path
 
     out = None
     if "--out" in args:
@@ -190,7 +191,7 @@ def _run_report(args: list[str]) -> int:
         print(f"mmpipe report: error: expected run directories, got {args}\n\n{USAGE}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from mmpipe.report import write_report
+    from mmpipe.report import write_report  # start-up: the command's stack, imported when it runs
 
     try:
         path = write_report([Path(a) for a in args], out)

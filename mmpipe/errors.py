@@ -1,5 +1,8 @@
-"""Errors of the model loaders (diffusers, transformers, safetensors) as one line that names the
-config key and directory they came from, instead of a traceback from deep inside the loaders."""
+"""mmpipe's error types, and the model loaders' errors (diffusers, transformers, safetensors) as one
+line that names the config key and directory they came from, instead of a traceback from deep inside.
+
+The CLI maps these to exit codes (``ValueError`` and its :class:`PlanError`: 2, bad input; the
+:data:`RUN_FAILURES`: 1) without importing the runtime or the server that raise them."""
 
 from __future__ import annotations
 
@@ -41,3 +44,21 @@ class NonFiniteError(RuntimeError):
 
 class WorkerFailure(RuntimeError):
     """A launched worker died or raised; the message is the first failure's (with its plan table)."""
+
+
+class ExecutionError(RuntimeError):
+    """An action failed at run time; the message carries this rank's plan table."""
+
+
+class ServeStartError(RuntimeError):
+    """A serving group could not start (its graph failed to load, or it died or hung while starting);
+    the message names the group and the cause. ``mmpipe serve`` prints it and exits with status 1.
+    ``group`` is the group that reported the failure itself (it is ending on its own), else None."""
+
+    def __init__(self, message: str, group: int | None = None) -> None:
+        super().__init__(message)
+        self.group = group
+
+
+#: Run-time failures the CLI reports in one line (exit status 1); any other exception is a bug.
+RUN_FAILURES = (WorkerFailure, ExecutionError, NonFiniteError, ServeStartError)

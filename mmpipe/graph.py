@@ -144,8 +144,9 @@ class Stage(abc.ABC):
         """The whole length of the split sequence, from this rank's inputs (stages with ``sequence_outputs``)."""
         raise NotImplementedError(f"stage {self.name!r} ({self.kind}) declares no split outputs")
 
-    def parallelize_sequence(self, module: nn.Module, mesh: SequenceMesh) -> None:
-        """Make ``module`` run on this rank's shard of the sequence under ``mesh`` (in place)."""
+    def parallelize_sequence(self, module: nn.Module, mesh: SequenceMesh, *, attention: str = "torch") -> None:
+        """Make ``module`` run on this rank's shard of the sequence under ``mesh`` (in place), its
+        local attention through backend ``attention`` (``model.kernels.attention``)."""
         raise ValueError(f"stage {self.name!r} ({self.kind}) cannot be sequence parallel")
 
     @property

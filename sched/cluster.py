@@ -15,6 +15,7 @@ import tempfile
 from collections.abc import Sequence
 from importlib import resources
 
+import torch
 import yaml
 
 from mmpipe.memory.budget import FILE_TIER_BYTES_PER_S
@@ -127,7 +128,6 @@ class Cluster:
         """This machine's GPUs (``nproc`` ranks, default one per GPU), as the CUDA runtime reports
         them: memory from the device, the dense bf16 peak from its architecture (:func:`cuda_peak_flops`),
         activation offload to pinned host memory over PCIe, overlapped with compute (side streams)."""
-        import torch
 
         props = torch.cuda.get_device_properties(0)
         n = nproc or torch.cuda.device_count()

@@ -32,8 +32,11 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import diffusers
 import torch
 import torch.nn.functional as F
+import transformers
+from diffusers.utils import logging as dlogging
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -41,6 +44,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoModel, PretrainedConfig
 
 from mmpipe.graph import Graph, Stage
+from mmpipe.memory.policy import repeated_blocks
+from mmpipe.sched.schedule import backward_stages
 
 ShapeDtype = tuple[tuple[int, ...], torch.dtype]
 _ATTENTION_OPS = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention")
@@ -97,7 +102,6 @@ def _from_config(model_cls: Any, config: Any) -> nn.Module:
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
     """Silence diffusers' "should be kept in float32" notes: the cost model never runs numerics."""
-    from diffusers.utils import logging as dlogging
 
     level = dlogging.get_verbosity()
     dlogging.set_verbosity_error()
@@ -134,7 +138,6 @@ def measure_graph_costs(
 
     ``backward``: the stages that run a backward (default: trainable stages and their consumers).
     """
-    from mmpipe.sched.schedule import backward_stages
 
     backward = backward_stages(graph) if backward is None else backward
     unknown = sorted(set(inputs) - set(graph.input_specs))
@@ -212,22 +215,6 @@ def _measure(
         split_units=_split_units(stage, inputs),
     )
     return cost, {k: v.detach() for k, v in tensors.items()}
-
-
-def repeated_blocks(module: nn.Module) -> list[nn.Module]:
-    """Members of the module's ``ModuleList``s of two or more same-class modules (outermost lists)."""
-    found: list[nn.Module] = []
-    inside: set[int] = set()
-    for _, m in module.named_modules():
-        if id(m) in inside:
-            for c in m.children():
-                inside.add(id(c))
-            continue
-        if isinstance(m, nn.ModuleList) and len(m) >= 2 and len({type(c) for c in m}) == 1:
-            found += list(m)
-            for sub in m.modules():
-                inside.add(id(sub))
-    return found
 
 
 class _BlockTracker:
@@ -347,9 +334,6 @@ def _cache_dir() -> Path:
 
 
 def _cache_key(stage: Stage, feed: Mapping[str, torch.Tensor], backward: bool, dtype: torch.dtype) -> str | None:
-    import diffusers
-    import transformers
-
     cfg = getattr(getattr(stage, "source", None), "config", None)
     if cfg is None:
         return None

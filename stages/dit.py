@@ -28,11 +28,12 @@ from torch import nn
 
 from mmpipe.graph import Capabilities, TensorSpec
 from mmpipe.kernels.registry import KernelChoice
-from mmpipe.kernels.wan import GridRotary, use_kernels
+from mmpipe.parallel.attention import select_backend
 from mmpipe.parallel.modules import JointSequenceParallelProcessor, SequenceParallelProcessor, SequenceState
 from mmpipe.parallel.reshard import Region
 from mmpipe.parallel.sequence import SequenceMesh, check_heads
 from mmpipe.stages._source import ModuleSource, SourcedStage
+from mmpipe.stages.wan_kernels import GridRotary, use_kernels
 
 
 def sample_flow_matching(
@@ -111,8 +112,8 @@ class FlowMatchingDiTStage(SourcedStage):
                 f"stage {self.name!r}: sequence parallelism splits whole frames, but patch_size_t={patch_t}"
             )
 
-    def parallelize_sequence(self, module: nn.Module, mesh: SequenceMesh) -> None:
-        self._sequence = SequenceState(mesh)
+    def parallelize_sequence(self, module: nn.Module, mesh: SequenceMesh, *, attention: str = "torch") -> None:
+        self._sequence = SequenceState(mesh, select_backend(attention))
         self.apply_sequence_hooks(module, self._sequence)
 
     @abc.abstractmethod

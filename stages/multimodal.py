@@ -23,6 +23,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModel, SiglipVisionModel
 
 from mmpipe.graph import Capabilities, TensorSpec
+from mmpipe.parallel.attention import select_backend
 from mmpipe.parallel.modules import SequenceState, use_sequence_parallel_attention
 from mmpipe.parallel.sequence import SequenceMesh, check_heads
 from mmpipe.stages._source import ModuleSource, SourcedStage
@@ -136,10 +137,10 @@ class MultimodalLLMStage(SourcedStage):
         if getattr(cfg, "use_sliding_window", False) and ulysses * ring > 1:
             raise ValueError(f"stage {self.name!r}: sliding-window attention cannot run sequence parallel")
 
-    def parallelize_sequence(self, module: nn.Module, mesh: SequenceMesh) -> None:
+    def parallelize_sequence(self, module: nn.Module, mesh: SequenceMesh, *, attention: str = "torch") -> None:
         assert isinstance(module, ImageTextLM)
         use_sequence_parallel_attention(module.lm)
-        self._sequence = SequenceState(mesh)
+        self._sequence = SequenceState(mesh, select_backend(attention))
 
     def sequence_length(self, inputs: Mapping[str, Any]) -> int:
         return inputs["image_tokens"].shape[1] + inputs["input_ids"].shape[1]

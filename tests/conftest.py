@@ -25,15 +25,12 @@ def _process_state() -> dict[str, object]:
     """What one test must leave as it found it: tests pass alone, in any order, shuffled."""
     import torch
 
-    from mmpipe.kernels import registry
-
     return {
         "torch threads": torch.get_num_threads(),
         # pytest's own variable, and what Inductor's compiled code keeps there for itself
         "environment": {
             k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST" and not k.startswith("_TORCHINDUCTOR")
         },
-        "kernel choice": registry.chosen(),
         "default dtype": torch.get_default_dtype(),
         "grad mode": torch.is_grad_enabled(),
         "deterministic algorithms": torch.are_deterministic_algorithms_enabled(),
@@ -43,15 +40,12 @@ def _process_state() -> dict[str, object]:
 def _restore(state: dict[str, object]) -> None:
     import torch
 
-    from mmpipe.kernels import registry
-
     torch.set_num_threads(state["torch threads"])  # type: ignore[arg-type]
     current = os.environ.get("PYTEST_CURRENT_TEST")
     os.environ.clear()
     os.environ.update(state["environment"])  # type: ignore[arg-type]
     if current is not None:
         os.environ["PYTEST_CURRENT_TEST"] = current
-    registry.configure(state["kernel choice"])  # type: ignore[arg-type]
     torch.set_default_dtype(state["default dtype"])  # type: ignore[arg-type]
     torch.set_grad_enabled(state["grad mode"])  # type: ignore[arg-type]
     torch.use_deterministic_algorithms(state["deterministic algorithms"])  # type: ignore[arg-type]
@@ -59,7 +53,7 @@ def _restore(state: dict[str, object]) -> None:
 
 @pytest.fixture(autouse=True)
 def _process_state_is_restored() -> Iterator[None]:
-    """Fail a test that changes process-wide state (threads, environment, the kernel registry, torch
+    """Fail a test that changes process-wide state (threads, environment, torch
     modes) without restoring it, and restore it so that the next test starts clean."""
     before = _process_state()
     yield

@@ -1,7 +1,8 @@
 """The package's import graph, read from the source (every ``import``, function-local ones too).
 
 ``python tests/import_graph.py`` prints the figures of issue 28: modules, import edges inside the
-package, cycles, function-local imports and the largest modules. ``tests/unit/test_layers.py``
+package, cycles, function-local imports and the largest modules; ``--cycles`` lists the modules of
+each cycle, ``--local`` every function-local import with the comment that gives its reason. ``tests/unit/test_layers.py``
 holds the layering to it.
 """
 
@@ -150,9 +151,44 @@ def summary(root: Path = ROOT) -> dict:
     }
 
 
+@dataclasses.dataclass(frozen=True)
+class LocalImport:
+    path: str  # file, relative to the repository root
+    line: int
+    text: str
+    reason: str  # the comment that says why it is inside a function ("" if none)
+
+
+def local_imports(root: Path = ROOT) -> list[LocalImport]:
+    """Every import statement inside a function, with its reason: a comment on its line, on the
+    line above it, or on another import of the same run of consecutive import lines."""
+    out: list[LocalImport] = []
+    for path in module_files(root).values():
+        lines = path.read_text().splitlines()
+        counter = _StatementCounter()
+        counter.visit(ast.parse("\n".join(lines)))
+        for node in counter.local_nodes:
+            first, last = node.lineno, node.end_lineno or node.lineno
+            # the run of import statements around this one, and the comment line just above the run
+            lo, hi = first, last
+            while lo > 1 and lines[lo - 2].strip().startswith(("import ", "from ", "#")):
+                lo -= 1
+            while hi < len(lines) and lines[hi].strip().startswith(("import ", "from ")):
+                hi += 1
+            comments = [ln.split("#", 1)[1].strip() for ln in lines[lo - 1 : hi] if "#" in ln]
+            text = " ".join(ln.strip() for ln in lines[first - 1 : last])
+            out.append(
+                LocalImport(
+                    str(path.relative_to(root)), first, text, "; ".join(dict.fromkeys(c for c in comments if c))
+                )
+            )
+    return out
+
+
 class _StatementCounter(ast.NodeVisitor):
     def __init__(self) -> None:
         self.depth = self.total = self.local = 0
+        self.local_nodes: list[ast.Import | ast.ImportFrom] = []
 
     def _function(self, node: ast.AST) -> None:
         self.depth += 1
@@ -161,14 +197,19 @@ class _StatementCounter(ast.NodeVisitor):
 
     visit_FunctionDef = visit_AsyncFunctionDef = _function
 
-    def _import(self, node: ast.AST) -> None:
+    def _import(self, node: ast.Import | ast.ImportFrom) -> None:
         self.total += 1
         self.local += self.depth > 0
+        if self.depth > 0:
+            self.local_nodes.append(node)
 
     visit_Import = visit_ImportFrom = _import
 
 
 if __name__ == "__main__":
+    if "--local" in sys.argv:
+        for li in local_imports():
+            print(f"{li.path}:{li.line}: {li.text}  # {li.reason or 'NO REASON'}")
     if "--cycles" in sys.argv:
         for c in cycles(imports()[1]):
             print(len(c), " ".join(c))

@@ -16,10 +16,11 @@ from mmpipe.errors import PlanError
 from mmpipe.graph import Graph
 from mmpipe.kernels import registry as kernels
 from mmpipe.memory.budget import FILE_TIER_BYTES_PER_S, BlockPricing, choose_policies
+from mmpipe.memory.policy import repeated_blocks
 from mmpipe.models import training_stages
 from mmpipe.rundir import PLAN_FILE, VAL_PLAN_FILE
 from mmpipe.sched.cluster import Cluster
-from mmpipe.sched.cost import build_meta_module, measure_graph_costs, repeated_blocks
+from mmpipe.sched.cost import build_meta_module, measure_graph_costs
 from mmpipe.sched.plan import ActionKind, DeviceGroup, Plan
 from mmpipe.sched.results import parse_placement
 from mmpipe.sched.schedule import ScheduleKind, build_plan

@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from diffusers import UniPCMultistepScheduler
+from transformers import SiglipVisionConfig, SiglipVisionModel
 
 from mmpipe.config import ModelConfig
 from mmpipe.graph import Graph, TensorSpec
@@ -25,7 +27,6 @@ def build_u2g_training_graph(pipeline_dir: str | Path, *, text_len: int) -> Grap
     """Understand-then-generate: frozen vision tower -> trainable LLM (image + text tokens) ->
     trainable connector -> trainable DiT (flow matching), with the frozen Wan VAE encoding the
     target video. Gradients cross two stage boundaries (dit -> connector -> llm)."""
-    from diffusers import UniPCMultistepScheduler
 
     root = Path(pipeline_dir)
     shift = flow_shift_of(UniPCMultistepScheduler.load_config(root / "scheduler"))
@@ -62,7 +63,6 @@ VISION_IMAGE_SIZE = 32  # the tiny vision tower's square input; 16 patches of 8x
 def save_tiny_u2g_pipeline(spec: ModelConfig, texts: Sequence[str], path: str | Path, *, seed: int) -> Path:
     """An understand-then-generate pipeline: the Wan layout (vae/, transformer/, scheduler/,
     tokenizer/) plus vision/ (SigLIP), llm/ (Qwen2 + image projector) and connector/."""
-    from transformers import SiglipVisionConfig, SiglipVisionModel
 
     path = Path(path)
     pipe: Any = build_tiny_wan_pipeline(spec, texts, seed=seed)

@@ -35,7 +35,16 @@ from diffusers.video_processor import VideoProcessor
 from safetensors import SafetensorError, safe_open
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
 from torch import nn
-from transformers import PreTrainedModel, PreTrainedTokenizerFast, Qwen2Config, Qwen2Model, UMT5Config, UMT5EncoderModel
+from transformers import (
+    AutoConfig,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2Model,
+    UMT5Config,
+    UMT5EncoderModel,
+)
 
 from mmpipe.config import ModelConfig
 from mmpipe.graph import Graph, TensorSpec
@@ -48,6 +57,7 @@ from mmpipe.stages import (
     WanVAEDecodeStage,
     WanVAEEncodeStage,
 )
+from mmpipe.stages.sampler import guidance_on, initial_noise
 
 logger = logging.getLogger(__name__)
 
@@ -152,7 +162,6 @@ def build_full_wan_pipeline(
     random weights, built directly on ``device`` (nothing is downloaded): the text encoder and the
     DiT in bf16, the VAE in float32, as diffusers' Wan examples load them. For GPU benchmarks and
     tests; the tokenizer is the word tokenizer of ``texts`` (ids stay inside the real vocabulary)."""
-    from transformers import AutoConfig
 
     arch = dict(spec.arch or {})
     missing = [k for k in ("text", "vae", "dit") if not arch.get(k)]
@@ -184,7 +193,6 @@ def build_text_stage(
     name: str, module_or_path: nn.Module | str | Path, tokenizer: Any, *, max_length: int, clean: bool = True
 ) -> TextEncoderStage:
     """A T5-family encoder (config with ``d_model``) or a causal LM used as a text encoder."""
-    from transformers import AutoConfig
 
     kw: dict[str, Any] = {"max_length": max_length, "clean": prompt_clean if clean else None}
     if isinstance(module_or_path, nn.Module):
@@ -243,6 +251,26 @@ class T2VGraph(Graph):
             logger.warning("height/width must be multiples of (%d, %d); using (%d, %d)", mh, mw, fh, fw)
         return fh, fw, num_frames
 
+    def prompt_inputs(
+        self, prompts: Sequence[str], negative_prompt: str | Sequence[str] | None, guidance_scale: float
+    ) -> dict[str, Any]:
+        """The text stage's inputs: the prompts' tokens, and the negative prompts' (``""`` by
+        default) when guidance is on (see :func:`~mmpipe.stages.sampler.guidance_on`)."""
+        inputs: dict[str, Any] = self.text.tokenize(prompts)
+        if guidance_on(guidance_scale):
+            neg = negative_prompt or ""
+            negs = [neg] * len(prompts) if isinstance(neg, str) else list(neg)
+            if len(negs) != len(prompts):
+                raise ValueError(f"negative_prompt has {len(negs)} entries but prompt has {len(prompts)}")
+            neg_tok = self.text.tokenize(negs)
+            inputs |= {"negative_input_ids": neg_tok["input_ids"], "negative_attention_mask": neg_tok["attention_mask"]}
+        return inputs
+
+    def latent_shape(self, batch: int, num_frames: int, height: int, width: int) -> tuple[int, int, int, int, int]:
+        """``(B, Z, t, h, w)`` of the latents of ``batch`` videos of this size (a fitted one)."""
+        z = self.denoise.source.config.in_channels
+        return batch, z, (num_frames - 1) // self.scale_t + 1, height // self.scale_s, width // self.scale_s
+
     def generate(
         self,
         prompt: str | Sequence[str],
@@ -262,26 +290,9 @@ class T2VGraph(Graph):
         if not prompts:
             raise ValueError("prompt must be a non-empty string or list of strings")
         height, width, num_frames = self._fit_size(height, width, num_frames)
-        inputs: dict[str, Any] = self.text.tokenize(prompts)
-        if guidance_scale > 1.0:
-            neg = negative_prompt or ""
-            negs = [neg] * len(prompts) if isinstance(neg, str) else list(neg)
-            if len(negs) != len(prompts):
-                raise ValueError(f"negative_prompt has {len(negs)} entries but prompt has {len(prompts)}")
-            neg_tok = self.text.tokenize(negs)
-            inputs |= {"negative_input_ids": neg_tok["input_ids"], "negative_attention_mask": neg_tok["attention_mask"]}
-        generator = torch.Generator().manual_seed(seed) if seed is not None else None
-        shape = (
-            len(prompts),
-            self.denoise.source.config.in_channels,
-            (num_frames - 1) // self.scale_t + 1,
-            height // self.scale_s,
-            width // self.scale_s,
-        )
-        # Drawn on the CPU whatever the modules' device, as WanPipeline's randn_tensor does with a CPU
-        # generator (then moved): the same seed gives the same noise on CPU and CUDA, and Stage.__call__
-        # moves it to the denoiser's device.
-        inputs["noise"] = torch.randn(shape, generator=generator, dtype=torch.float32, device="cpu")
+        inputs = self.prompt_inputs(prompts, negative_prompt, guidance_scale)
+        # Stage.__call__ moves the (CPU-drawn) noise to the denoiser's device.
+        inputs["noise"] = initial_noise(self.latent_shape(len(prompts), num_frames, height, width), seed)
         options = {
             "denoise": {
                 "num_inference_steps": num_inference_steps,
@@ -464,8 +475,6 @@ T2V_TRAIN_EDGES = (
 
 def build_t2v_training_graph(pipeline_dir: str | Path, *, text_len: int) -> Graph:
     """The flow-matching training graph of a local WanPipeline-layout directory."""
-    from diffusers import UniPCMultistepScheduler
-    from transformers import AutoTokenizer
 
     root = Path(pipeline_dir)
     tokenizer = AutoTokenizer.from_pretrained(root / "tokenizer")

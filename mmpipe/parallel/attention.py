@@ -34,6 +34,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from mmpipe.kernels._triton import AVAILABLE
+from mmpipe.kernels.reference import math_backward, math_forward
+
 ForwardFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool, float], tuple[torch.Tensor, torch.Tensor]]
 BackwardFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
@@ -110,47 +113,6 @@ def _torch_backward(
     return dq, dk, dv
 
 
-def _math_scores(
-    q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    s_BHST = (q @ k.transpose(-1, -2)) * scale
-    if bias is not None:  # additive: 0 keeps a key, -inf drops it
-        s_BHST = s_BHST + bias
-    if causal:  # top-left aligned, as ATen's kernels
-        keep = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
-        s_BHST = s_BHST.masked_fill(~keep, float("-inf"))
-    return s_BHST
-
-
-def _math_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, bias: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    s_BHST = _math_scores(q, k, causal, scale, bias)
-    lse_BHS = torch.logsumexp(s_BHST, dim=-1)
-    # A query whose keys are all dropped gets a zero output and an LSE of -inf (no weight in a merge).
-    finite_BHS1 = torch.where(torch.isinf(lse_BHS), 0.0, lse_BHS).unsqueeze(-1)
-    return torch.exp(s_BHST - finite_BHS1) @ v, lse_BHS
-
-
-def _math_backward(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    causal: bool,
-    scale: float,
-    bias: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    p_BHST = torch.exp(_math_scores(q, k, causal, scale, bias) - lse.unsqueeze(-1))
-    dv = p_BHST.transpose(-1, -2) @ dout
-    dp_BHST = dout @ v.transpose(-1, -2)
-    delta_BHS1 = (dout * out).sum(-1, keepdim=True)
-    ds_BHST = p_BHST * (dp_BHST - delta_BHS1)
-    return (ds_BHST @ k) * scale, (ds_BHST.transpose(-1, -2) @ q) * scale, dv
-
-
 def _triton_forward(
     q_BHSD: torch.Tensor, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor, causal: bool, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,7 +131,7 @@ def _triton_backward(
     causal: bool,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from mmpipe.kernels.attention import flash_attn_bwd
+    from mmpipe.kernels.attention import flash_attn_bwd  # the Triton kernels (~1 s to import): only when used
 
     return flash_attn_bwd(dout, q, k, v, out, lse, causal, scale)
 
@@ -184,7 +146,7 @@ def _xformers_bias(causal: bool) -> Any:
 def _xformers_forward(
     q_BHSD: torch.Tensor, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor, causal: bool, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    from xformers.ops import fmha
+    from xformers.ops import fmha  # optional dependency (mmpipe[xformers])
 
     try:  # xFormers' layout is BMHK (B, S, H, D): a transpose of ours, no copy
         out_BSHD, lse_BHS = fmha.memory_efficient_attention_forward_requires_grad(
@@ -213,7 +175,7 @@ def _xformers_backward(
     causal: bool,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from xformers.ops import fmha
+    from xformers.ops import fmha  # optional dependency (mmpipe[xformers])
 
     # Contiguous BSHD `out`: the CUTLASS backward (ATen's, which xFormers dispatches for 16-bit causal
     # S != T) reads it with a row stride of heads x head_dim whatever its strides (`o_strideM()` in
@@ -233,7 +195,7 @@ def _xformers_backward(
 
 _BACKENDS = {
     AttentionBackend.TORCH: AttentionImpl(AttentionBackend.TORCH, _torch_forward, _torch_backward),
-    AttentionBackend.MATH: AttentionImpl(AttentionBackend.MATH, _math_forward, _math_backward),
+    AttentionBackend.MATH: AttentionImpl(AttentionBackend.MATH, math_forward, math_backward),
     AttentionBackend.SDPA: AttentionImpl(AttentionBackend.SDPA, None, None),
     AttentionBackend.TRITON: AttentionImpl(AttentionBackend.TRITON, _triton_forward, _triton_backward),
     AttentionBackend.XFORMERS: AttentionImpl(AttentionBackend.XFORMERS, _xformers_forward, _xformers_backward),
@@ -241,12 +203,9 @@ _BACKENDS = {
 
 
 def select_backend(name: str | AttentionBackend | None = None, *, device: torch.device | str = "cpu") -> AttentionImpl:
-    """The backend named ``name`` (a config value), or the run's choice (``model.kernels.attention``,
-    see ``mmpipe.kernels.registry``; ``torch`` by default)."""
-    if name is None:  # the run's choice (model.kernels.attention), "torch" unless it picked another
-        from mmpipe.kernels.registry import chosen
-
-        name = chosen().attention
+    """The backend named ``name`` (a config value, e.g. ``model.kernels.attention``); ``torch`` for ``None``."""
+    if name is None:
+        name = AttentionBackend.TORCH
     try:
         backend = AttentionBackend(name)
     except ValueError:
@@ -254,8 +213,6 @@ def select_backend(name: str | AttentionBackend | None = None, *, device: torch.
             f"unknown attention backend {name!r} (choose from {[b.value for b in AttentionBackend]})"
         ) from None
     if backend == AttentionBackend.TRITON:
-        from mmpipe.kernels._triton import AVAILABLE
-
         if not AVAILABLE:
             raise ValueError(
                 "attention backend 'triton' needs the triton package, which is not installed "
@@ -274,7 +231,7 @@ def masked_attention_with_lse(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of one block with an additive key mask, explicit softmax (for short blocks:
     the padded text keys of a joint text-video attention)."""
-    return _math_forward(q, k, v, False, scale, bias_B11T)
+    return math_forward(q, k, v, False, scale, bias_B11T)
 
 
 def masked_attention_backward(
@@ -289,7 +246,7 @@ def masked_attention_backward(
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward of :func:`masked_attention_with_lse` given the (merged) ``out`` and ``lse``."""
-    return _math_backward(dout, q, k, v, out, lse, False, scale, bias_B11T)
+    return math_backward(dout, q, k, v, out, lse, False, scale, bias_B11T)
 
 
 def _has_fused_kernel(impl: AttentionImpl, q: torch.Tensor) -> bool:

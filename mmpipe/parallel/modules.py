@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+from transformers import AttentionInterface
 
 from mmpipe.parallel.attention import AttentionImpl
 from mmpipe.parallel.sequence import SequenceMesh, joint_sequence_parallel_attention, sequence_parallel_attention
@@ -190,7 +191,6 @@ def transformers_attention(
 
 def use_sequence_parallel_attention(model: Any) -> None:
     """Switch a transformers model's attention to :func:`transformers_attention` (registered once)."""
-    from transformers import AttentionInterface
 
     AttentionInterface.register(SEQUENCE_ATTENTION, transformers_attention)
     model.set_attn_implementation(SEQUENCE_ATTENTION)

@@ -29,25 +29,21 @@ from torch.autograd.profiler import record_function
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from mmpipe.devices import Precision, autocast
-from mmpipe.errors import NonFiniteError, PlanError
+from mmpipe.errors import ExecutionError, NonFiniteError, PlanError
 from mmpipe.graph import INPUT, Edge, Graph
-from mmpipe.kernels import registry as kernels
+from mmpipe.kernels.registry import KernelChoice
 from mmpipe.memory.host import HostTier
-from mmpipe.memory.policy import BLOCK_LETTERS, BlockPolicy, FileTier, Tier, apply_block_policies, block_policies
+from mmpipe.memory.policy import BLOCK_LETTERS, BlockPolicy, apply_block_policies, block_policies, repeated_blocks
+from mmpipe.memory.tiers import FileTier, Tier
 from mmpipe.parallel.reshard import Region
 from mmpipe.parallel.sequence import SequenceLayout
 from mmpipe.runtime.events import EventRecorder
 from mmpipe.runtime.mesh import MeshOwner
 from mmpipe.runtime.transport import isend_message, nbytes, recv_tensors
-from mmpipe.sched.cost import repeated_blocks
 from mmpipe.sched.plan import Action, ActionKind, Plan, check_split, overlapping_ranks, send_window
 
 BatchFn = Callable[[int], dict[str, torch.Tensor]]  # micro-batch index -> full micro-batch graph inputs
 OptionsFn = Callable[[str, int, tuple[int, int, int]], dict[str, Any]]  # stage, mb, rows -> forward options
-
-
-class ExecutionError(RuntimeError):
-    """An action failed at run time; the message carries this rank's plan table."""
 
 
 @dataclasses.dataclass
@@ -78,12 +74,14 @@ class Executor:
         precision: Precision = Precision.FP32,
         wire: torch.device | None = None,
         compile_blocks: bool = False,
+        kernels: KernelChoice | None = None,
     ) -> None:
         self.graph, self.plan, self.mesh, self.rank = graph, plan, mesh, mesh.rank
         # device: where this rank's modules and tensors live; wire: where edge payloads travel
         # (None: as they are, CPU; the GPU under NCCL; the host when gloo moves CUDA tensors)
         self.device = device if device is not None else torch.device("cpu")
         self.precision, self.wire, self.compile_blocks = precision, wire, compile_blocks
+        self.kernels = kernels or KernelChoice()  # the run's resolved model.kernels (all torch: stock modules)
         self.spill_dir = spill_dir  # where offloaded activations go on CPU (a file tier per rank)
         self.spill: Tier | None = None  # this rank's offload tier, made by the first stage that offloads
         self.groups = plan.groups
@@ -118,12 +116,12 @@ class Executor:
         module.to(self.device)
         if st.frozen and self.precision is Precision.BF16:
             module.to(torch.bfloat16)  # frozen weights in bf16 (no master copy to keep); trained: fp32 masters
-        choice = kernels.chosen()
-        if choice != kernels.KernelChoice() and hasattr(st, "use_kernels"):  # opt-in (model.kernels)
-            st.use_kernels(module, choice)
+        if self.kernels != KernelChoice() and hasattr(st, "use_kernels"):  # opt-in (model.kernels)
+            st.use_kernels(module, self.kernels)
         if group.sp > 1:
             st.check_sequence_parallel(group.ulysses, group.ring)
-            st.parallelize_sequence(module, self.mesh.sequence_mesh(stage, zigzag=st.sequence_causal))
+            seq_mesh = self.mesh.sequence_mesh(stage, zigzag=st.sequence_causal)
+            st.parallelize_sequence(module, seq_mesh, attention=self.kernels.attention)
         if group.recompute or group.offload or group.blocks.strip("k"):
             self._apply_memory_policy(stage, module)
         if self.compile_blocks and not st.frozen:

@@ -10,10 +10,10 @@ from mmpipe.config import RunConfig
 from mmpipe.devices import DeviceType
 from mmpipe.errors import loading_errors
 from mmpipe.kernels import registry as kernels
-from mmpipe.kernels.wan import use_kernels
 from mmpipe.models.wan import T2VGraph, check_pipeline_dir, from_diffusers
 from mmpipe.rundir import latest_checkpoint, load_run_config, pipeline_dir
 from mmpipe.runtime.checkpoint import load_latest_weights
+from mmpipe.stages.wan_kernels import use_kernels
 
 
 def check_trained_run(run_dir: Path, *, key: str = "ckpt") -> None:
@@ -51,7 +51,6 @@ def generation_kernels(cfg: RunConfig, device: DeviceType) -> kernels.KernelChoi
 
 
 def apply_kernels(graph: T2VGraph, choice: kernels.KernelChoice) -> None:
-    """Install ``choice`` for this process and swap its kernels into the denoiser's DiT."""
-    kernels.configure(choice)
+    """Swap the kernels of ``choice`` into the denoiser's DiT (in place)."""
     if choice != kernels.KernelChoice():
         use_kernels(graph.denoise.module, choice)

@@ -52,7 +52,6 @@ changes: float32, and bitwise outputs whatever the batching.
 from __future__ import annotations
 
 import collections
-import copy
 import dataclasses
 import datetime
 import logging
@@ -76,7 +75,7 @@ import yaml
 from mmpipe.config import ServeConfig, to_dict
 from mmpipe.data import caption_vocabulary, frames_to_uint8
 from mmpipe.devices import DeviceType, rank_device, resolve_device
-from mmpipe.errors import cause, loading_errors
+from mmpipe.errors import ServeStartError, cause, loading_errors
 from mmpipe.models.wan import check_pipeline_dir, from_diffusers, save_tiny_wan_pipeline
 from mmpipe.report.recording import MemorySampler
 from mmpipe.runtime import procs
@@ -89,6 +88,7 @@ from mmpipe.serve.batching import make_row_exact
 from mmpipe.serve.metrics import ServeMetrics
 from mmpipe.serve.placement import load_wan_pipeline, place_stages, resolve_placement
 from mmpipe.serve.protocol import WORKER_RESTARTED, GenerationRequest, Job, JobStatus, QueueFull
+from mmpipe.stages.sampler import guidance_on, guide, initial_noise
 
 logger = logging.getLogger(__name__)
 
@@ -101,16 +101,6 @@ MAX_RESTARTS = 3  # restarts within RESTART_WINDOW_S; one more failure and the e
 RESTART_WINDOW_S = 600.0
 _TAG = 7  # the p2p tag of serving messages
 _CONTEXT, _LATENTS = 1, 2  # message kinds between groups
-
-
-class ServeStartError(RuntimeError):
-    """A serving group could not start (its graph failed to load, or it died or hung while starting);
-    the message names the group and the cause. ``mmpipe serve`` prints it and exits with status 1.
-    ``group`` is the group that reported the failure itself (it is ending on its own), else None."""
-
-    def __init__(self, message: str, group: int | None = None) -> None:
-        super().__init__(message)
-        self.group = group
 
 
 GraphFactory = Callable[[dict[str, Any]], Any]  # (source spec) -> T2VGraph, run in each worker
@@ -825,10 +815,7 @@ class _GroupWorker:
             self.outbox.put(("started", number))
             try:
                 # Exactly graph.generate's call: the prompt, then the negative prompt when guided.
-                inputs = dict(text.tokenize([r.prompt]))
-                if r.guidance > 1.0:
-                    neg = text.tokenize([r.negative_prompt])
-                    inputs |= {"negative_input_ids": neg["input_ids"], "negative_attention_mask": neg["attention_mask"]}
+                inputs = self.graph.prompt_inputs([r.prompt], r.negative_prompt, r.guidance)
                 with torch.no_grad():
                     out = text(inputs)
             except Exception as err:
@@ -844,17 +831,11 @@ class _GroupWorker:
 
     def _start_denoising(self, req: _Request, tensors: list[torch.Tensor], ready: float) -> _Denoising:
         g, r = self.graph, req.request
-        cfg = g.denoise.source.config
-        shape = (1, cfg.in_channels, (r.frames - 1) // g.scale_t + 1, r.height // g.scale_s, r.width // g.scale_s)
-        # graph.generate's noise: one generator seeded with the request's seed.
-        # Drawn on the host and moved, as diffusers' randn_tensor does with a CPU generator.
-        noise = torch.randn(shape, generator=torch.Generator().manual_seed(r.seed), dtype=torch.float32)
-        noise = noise.to(self.device)
-        scheduler: Any = copy.deepcopy(g.denoise.scheduler)
-        scheduler.set_timesteps(r.steps, device=noise.device)
-        scheduler.set_begin_index(0)
+        shape = g.latent_shape(1, r.frames, r.height, r.width)
+        noise = initial_noise(shape, r.seed).to(self.device)  # graph.generate's noise for the seed
+        scheduler = g.denoise.scheduler_for(r.steps, noise.device)
         dtype = self.dit_dtype
-        uncond = tensors[1].to(dtype) if r.guidance > 1.0 else None
+        uncond = tensors[1].to(dtype) if guidance_on(r.guidance) else None
         key = (shape, uncond is not None, tuple(tensors[0].shape))
         return _Denoising(req.number, tensors[0].to(dtype), uncond, noise, scheduler, r.guidance, key, ready)
 
@@ -919,7 +900,7 @@ class _GroupWorker:
             pred = out[i : i + 1]
             if guided:
                 pred_u = out[n + i : n + i + 1]
-                pred = pred_u + d.guidance * (pred - pred_u)  # WanPipeline's formula
+                pred = guide(pred, pred_u, d.guidance)
             preds.append(pred)
         return preds
 

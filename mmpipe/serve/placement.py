@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from diffusers import AutoencoderKLWan, WanPipeline
 
 from mmpipe.devices import DeviceType
 from mmpipe.models.wan import component_dtypes, place_module
@@ -61,7 +62,6 @@ def load_wan_pipeline(path: str | Path) -> Any:
     """The ``WanPipeline`` of a directory, on the host, in CUDA's serving precision, loaded as diffusers'
     Wan examples load it (bf16, the VAE float32), so that its weights are bitwise a diffusers
     baseline's and no float32 copy of a large text encoder is ever made."""
-    from diffusers import AutoencoderKLWan, WanPipeline
 
     vae = AutoencoderKLWan.from_pretrained(path, subfolder="vae", torch_dtype=torch.float32)
     return WanPipeline.from_pretrained(path, vae=vae, torch_dtype=torch.bfloat16)

@@ -20,7 +20,6 @@ from mmpipe.data.datasets import build_datasets
 from mmpipe.devices import run_devices
 from mmpipe.errors import NonFiniteError
 from mmpipe.graph import Graph
-from mmpipe.kernels import registry as kernels
 from mmpipe.report.recording import RankRecording
 from mmpipe.rundir import latest_checkpoint, open_metrics, pipeline_dir, write_record
 from mmpipe.runtime.checkpoint import load_checkpoint, save_checkpoint
@@ -65,6 +64,7 @@ class TrainLoop:
             precision=devices.precision,
             wire=devices.wire(),
             compile_blocks=cfg.model.compile,
+            kernels=kernel_choice(cfg),
         )
         self.executor.optimizers = {s: self._optim(s) for s in self.executor.local if s in self.train_plan.trainable}
         for s in self.executor.optimizers:
@@ -169,26 +169,24 @@ class TrainLoop:
 
 
 def start_rank(cfg: RunConfig, graph: Graph, *, rank: int, world_size: int) -> TrainLoop:
-    """This process's threads, GPU and kernels set for the run, and its rank's loop built (its
+    """This process's threads and GPU set for the run, and its rank's loop built (its
     stages on its device, the optimizers of its trainable stages); ``run_rank`` drives it."""
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     device = run_devices(cfg, local_ranks=0).rank_device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    kernels.configure(kernel_choice(cfg))
     return TrainLoop(cfg, graph, rank, world_size)
 
 
 def run_rank(cfg: RunConfig, graph: Graph, *, rank: int, world_size: int) -> TrainResult:
     """The training loop of one rank (all ranks run it; rank 0 logs and shows progress); the
-    process's torch threads and kernel choice are as before when it returns (``train`` in-process)."""
-    threads, choice = torch.get_num_threads(), kernels.chosen()
+    process's torch threads are as before when it returns (``train`` in-process)."""
+    threads = torch.get_num_threads()
     try:
         return _run_rank(cfg, graph, rank=rank, world_size=world_size)
     finally:
         torch.set_num_threads(threads)
-        kernels.configure(choice)
 
 
 def _run_rank(cfg: RunConfig, graph: Graph, *, rank: int, world_size: int) -> TrainResult:

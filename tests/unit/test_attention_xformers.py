@@ -31,7 +31,6 @@ from xformers.ops.fmha.common import (  # noqa: E402
 )
 
 from mmpipe.kernels.registry import KernelChoice, resolve  # noqa: E402
-from mmpipe.kernels.wan import use_kernels  # noqa: E402
 from mmpipe.parallel.attention import (  # noqa: E402
     AttentionBackend,
     attention_backward,
@@ -39,6 +38,7 @@ from mmpipe.parallel.attention import (  # noqa: E402
     local_attention,
     select_backend,
 )
+from mmpipe.stages.wan_kernels import use_kernels  # noqa: E402
 
 LSE_PAD = 32  # CUTLASS's forward pads the LSE's query axis to this; its backward pads a given one
 

@@ -92,17 +92,14 @@ def test_causal_lm_text_encoder_zeroes_padding_and_trains_the_dit(tmp_path: Path
 def test_generate_with_the_triton_kernels_matches_the_stock_denoiser(tiny_wan_dir: Path) -> None:
     """``mmpipe generate`` applies the run's ``model.kernels`` to the denoiser: with every kernel
     (interpreted on CPU) the video equals the stock one up to float32 reassociation."""
-    from mmpipe.kernels.registry import KernelChoice, configure
+    from mmpipe.kernels.registry import KernelChoice
     from mmpipe.runtime.trained import apply_kernels
 
     call = CALL | {"num_inference_steps": 2}
     stock = mmpipe.from_diffusers(tiny_wan_dir).generate(**call, seed=3, output_type="np", progress=False)
     graph = mmpipe.from_diffusers(tiny_wan_dir)
-    try:
-        apply_kernels(graph, KernelChoice(attention="triton", norm_modulate="triton", rope="triton"))
-        fused = graph.generate(**call, seed=3, output_type="np", progress=False)
-    finally:
-        configure(KernelChoice())  # this process's default again
+    apply_kernels(graph, KernelChoice(attention="triton", norm_modulate="triton", rope="triton"))
+    fused = graph.generate(**call, seed=3, output_type="np", progress=False)
     # two denoising steps and the VAE decode in float32: the kernels' own accumulation order
     # (~1e-7 relative per op) stays far inside 1e-4 on pixels in [0, 1]
     assert np.abs(fused - stock).max() <= 1e-4

@@ -25,7 +25,7 @@ from mmpipe.kernels.norm import (
 )
 from mmpipe.kernels.registry import KernelChoice, resolve
 from mmpipe.kernels.rope import rope3d, rope3d_reference
-from mmpipe.kernels.wan import use_kernels
+from mmpipe.stages.wan_kernels import use_kernels
 
 # float64 kernel vs float64 reference: the same arithmetic reassociated (row sums in another
 # order), so differences are a few ulps of values of order 1-10; 1e-12 leaves 3 orders of margin.

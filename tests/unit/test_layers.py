@@ -107,3 +107,21 @@ def test_planning_does_not_import_the_training_driver(module: str) -> None:
 
     reached = nx.descendants(g, module) if module in g else set()
     assert not {m for m in reached if m.startswith(("mmpipe.train", "mmpipe.runtime"))}
+
+
+def test_every_function_local_import_says_why() -> None:
+    """An import inside a function keeps start-up light (CLI dispatch) or guards an optional
+    dependency, and a comment says which; any other import belongs at the top of its module."""
+    missing = [f"{i.path}:{i.line}: {i.text}" for i in ig.local_imports() if not i.reason]
+    assert not missing, "function-local imports without a comment giving the reason:\n" + "\n".join(missing)
+
+
+def test_a_local_import_without_a_reason_is_caught(tmp_path: Path) -> None:
+    import shutil
+
+    for folder in ig.PACKAGE_DIRS:
+        shutil.copytree(ig.ROOT / folder, tmp_path / folder)
+    registry = tmp_path / "kernels" / "registry.py"
+    registry.write_text(registry.read_text() + "\n\ndef _f():\n    import json\n\n    return json\n")
+    bare = [i for i in ig.local_imports(tmp_path) if not i.reason]
+    assert [(i.path, i.text) for i in bare] == [("kernels/registry.py", "import json")]

@@ -8,7 +8,8 @@ import torch
 from test_memory_policy import _inputs, _stage
 
 from mmpipe.memory.budget import BlockPricing, choose_policies
-from mmpipe.memory.policy import FileTier, apply_block_policies, count_saved_bytes
+from mmpipe.memory.policy import apply_block_policies, count_saved_bytes
+from mmpipe.memory.tiers import FileTier
 from mmpipe.sched.cost import StageCost, measure_stage_cost
 
 

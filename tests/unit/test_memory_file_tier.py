@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import mmpipe.memory.policy as policy
-from mmpipe.memory.policy import FileTier, Tier
+from mmpipe.memory.tiers import FileTier, Tier
 
 
 def _tensors() -> list[torch.Tensor]:

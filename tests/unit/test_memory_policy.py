@@ -13,13 +13,8 @@ import torch
 from diffusers import WanTransformer3DModel
 from torch import nn
 
-from mmpipe.memory.policy import (
-    BlockPolicy,
-    FileTier,
-    apply_block_policies,
-    count_saved_bytes,
-    offload_saved_tensors,
-)
+from mmpipe.memory.policy import BlockPolicy, apply_block_policies, count_saved_bytes, offload_saved_tensors
+from mmpipe.memory.tiers import FileTier
 from mmpipe.stages._source import ModuleSource
 from mmpipe.stages.dit import WanDiTFlowMatchingStage
 

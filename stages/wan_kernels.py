@@ -24,10 +24,15 @@ from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
+from diffusers.models.transformers.transformer_wan import _get_qkv_projections
 from torch import nn
 from torch.overrides import _get_current_function_mode_stack
 
+from mmpipe.kernels.norm import gated_norm_modulate, norm_modulate
 from mmpipe.kernels.registry import KernelChoice
+from mmpipe.kernels.rope import rope3d
+from mmpipe.parallel.attention import local_attention, select_backend
+from mmpipe.parallel.modules import RouteSDPA
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,8 +69,6 @@ class KernelWanAttnProcessor:
         attention_mask: torch.Tensor | None = None,
         rotary_emb: Any = None,
     ) -> torch.Tensor:
-        from diffusers.models.transformers.transformer_wan import _get_qkv_projections
-
         if attn.add_k_proj is not None:
             raise ValueError(
                 "mmpipe's Wan kernels cover text-to-video; image-conditioned (I2V) blocks are not supported"
@@ -75,8 +78,6 @@ class KernelWanAttnProcessor:
         k_BSND = attn.norm_k(key).unflatten(2, (attn.heads, -1))
         v_BSND = value.unflatten(2, (attn.heads, -1))
         if isinstance(rotary_emb, GridRotary):
-            from mmpipe.kernels.rope import rope3d
-
             rot = rotary_emb
             q_BSND = rope3d(q_BSND, rot.grid, theta=rot.theta, token_offset=rot.token_offset)
             k_BSND = rope3d(k_BSND, rot.grid, theta=rot.theta, token_offset=rot.token_offset)
@@ -87,8 +88,6 @@ class KernelWanAttnProcessor:
             # stock path (and the one a sequence-parallel processor reroutes)
             out_BHSD = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask)
         else:
-            from mmpipe.parallel.attention import local_attention, select_backend
-
             out_BHSD = local_attention(q, k, v, impl=select_backend(self.attention, device=q.device))
         out = out_BHSD.transpose(1, 2).flatten(2, 3).type_as(query)
         return attn.to_out[1](attn.to_out[0](out))
@@ -96,7 +95,6 @@ class KernelWanAttnProcessor:
 
 def _routed() -> bool:
     """Whether a sequence-parallel processor routes this call's attention (it then picks the backend)."""
-    from mmpipe.parallel.modules import RouteSDPA
 
     return any(isinstance(m, RouteSDPA) for m in _get_current_function_mode_stack())
 
@@ -119,7 +117,6 @@ def _block_forward(
     rotary_emb: Any,
 ) -> torch.Tensor:
     """diffusers' ``WanTransformerBlock.forward`` with the fused norm + modulation kernel."""
-    from mmpipe.kernels.norm import gated_norm_modulate, norm_modulate
 
     if temb.ndim == 4:  # batch, tokens, 6, dim (Wan 2.2 TI2V): per-token modulation
         mods = [m.squeeze(2) for m in (self.scale_shift_table.unsqueeze(0) + temb.float()).chunk(6, dim=2)]
