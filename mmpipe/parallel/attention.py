@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from mmpipe.kernels._triton import AVAILABLE
+from mmpipe.kernels import _triton
 from mmpipe.kernels.reference import math_backward, math_forward
 
 ForwardFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool, float], tuple[torch.Tensor, torch.Tensor]]
@@ -213,7 +213,7 @@ def select_backend(name: str | AttentionBackend | None = None, *, device: torch.
             f"unknown attention backend {name!r} (choose from {[b.value for b in AttentionBackend]})"
         ) from None
     if backend == AttentionBackend.TRITON:
-        if not AVAILABLE:
+        if not _triton.AVAILABLE:
             raise ValueError(
                 "attention backend 'triton' needs the triton package, which is not installed "
                 "(pip install mmpipe[triton], Linux only); use 'torch' instead"

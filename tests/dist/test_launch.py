@@ -128,7 +128,7 @@ def test_two_nodes_on_localhost(tmp_path: Path) -> None:
                 "--rdzv-id",
                 "two-nodes",
                 "-m",
-                "mmpipe.runtime.worker",
+                "mmpipe.train.worker",
                 *args,
             ],
             stdout=subprocess.PIPE,

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-import mmpipe.memory.policy as policy
+import mmpipe.memory.tiers as policy
 from mmpipe.memory.tiers import FileTier, Tier
 
 

@@ -136,7 +136,8 @@ def test_bad_policies_are_clear_errors() -> None:
 _PEAK_SCRIPT = """
 import json, sys, torch
 from diffusers import WanTransformer3DModel
-from mmpipe.memory.policy import BlockPolicy, FileTier, apply_block_policies
+from mmpipe.memory.policy import BlockPolicy, apply_block_policies
+from mmpipe.memory.tiers import FileTier
 from mmpipe.stages._source import ModuleSource
 from mmpipe.stages.dit import WanDiTFlowMatchingStage
 
