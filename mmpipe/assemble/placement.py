@@ -238,7 +238,9 @@ def make_plans(graph: Graph, cfg: RunConfig) -> tuple[Plan, Plan]:
     """(training plan, forward-only validation plan) of ``graph`` under the configured placement."""
     world = cfg.launch.nproc
     if cfg.placement == "auto":
-        raise PlanError("placement=auto must be resolved (mmpipe.assemble.planning.auto_placement) before plans are made")
+        raise PlanError(
+            "placement=auto must be resolved (mmpipe.assemble.planning.auto_placement) before plans are made"
+        )
     if isinstance(cfg.placement, str):  # RunConfig reads a placement FILE at validation
         raise PlanError(f"placement={cfg.placement!r}: expected auto, a mapping or a file")
     placement = parse_placement(cfg.placement) if cfg.placement else default_placement(graph, world)

@@ -27,7 +27,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from mmpipe.rundir import checkpoint_root, latest_checkpoint
-from mmpipe.runtime.executor import StageOptim
+from mmpipe.runtime.optim import StageOptim
 
 
 def _fsync(path: Path) -> None:

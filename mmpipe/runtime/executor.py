@@ -39,22 +39,12 @@ from mmpipe.parallel.reshard import Region
 from mmpipe.parallel.sequence import SequenceLayout
 from mmpipe.runtime.events import EventRecorder
 from mmpipe.runtime.mesh import MeshOwner
+from mmpipe.runtime.optim import StageOptim
 from mmpipe.runtime.transport import isend_message, nbytes, recv_tensors
 from mmpipe.sched.plan import Action, ActionKind, Plan, check_split, overlapping_ranks, send_window
 
 BatchFn = Callable[[int], dict[str, torch.Tensor]]  # micro-batch index -> full micro-batch graph inputs
 OptionsFn = Callable[[str, int, tuple[int, int, int]], dict[str, Any]]  # stage, mb, rows -> forward options
-
-
-@dataclasses.dataclass
-class StageOptim:
-    """The optimizer side of one trainable stage on this rank."""
-
-    optimizer: torch.optim.Optimizer
-    lr_scheduler: torch.optim.lr_scheduler.LRScheduler
-    grad_clip: float
-    # a non-finite gradient norm: raise NonFiniteError, or skip the update (no optimizer or lr step)
-    skip_nonfinite: bool = False
 
 
 class Executor:

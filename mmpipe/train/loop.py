@@ -24,8 +24,9 @@ from mmpipe.report.recording import RankRecording
 from mmpipe.rundir import latest_checkpoint, open_metrics, pipeline_dir, write_record
 from mmpipe.runtime.checkpoint import load_checkpoint, save_checkpoint
 from mmpipe.runtime.events import EventRecorder
-from mmpipe.runtime.executor import Executor, OptionsFn, StageOptim
+from mmpipe.runtime.executor import Executor, OptionsFn
 from mmpipe.runtime.mesh import MeshOwner
+from mmpipe.runtime.optim import StageOptim
 from mmpipe.train.data import Collator, micro_batch_seed, micro_batches, sample_indices
 
 logger = logging.getLogger(__name__)
