@@ -1,54 +1,80 @@
-"""Keep-everything against mmpipe's auto activation policy, side by side, under one memory cap.
+"""Measured peak memory of a training step: keep-everything, recompute-every-block and mmpipe's auto policy.
 
-A Wan-architecture DiT stage (random weights, ``--layers`` blocks of ``--heads`` x ``--head-dim``)
-trains on latents of growing length (latent frames of 32 x 32: 256 tokens a frame). A length
-*fits* a cap when a real training step's resident saved activations (counted by saved-tensor hooks,
-``mmpipe.memory.policy.count_saved_bytes``) plus 16 bytes a parameter (weights, gradients, Adam
-moments) stay under it. Keep-everything runs as is; auto asks the budget planner
-(``mmpipe.memory.budget.choose_policies``, costs from the meta device) for the cheapest per-block
-policy under the cap, runs it (recompute and/or offload) and checks it the same way. Offload goes
-to the file tier on CPU and to pinned host memory (``HostTier``: side-stream copies, prefetch in
-the backward) on CUDA.
+A Wan-architecture DiT (random weights, ``--layers`` blocks of ``--heads`` x ``--head-dim``) trains
+with AdamW on latents of growing length (latent frames of 32 x 32: 256 tokens a frame). Three
+policies for the activations its blocks save for the backward, one column each:
 
-Printed: the longest length that fits each way and their ratio, and step-time overheads
-``t(policy) / t(keep) - 1``, medians of ``--reps`` steps of each, interleaved (keep, policy, keep,
-...) after a warm-up step of each, so that both see the same machine:
+- ``keep``: every block keeps them;
+- ``recompute_all``: ``BlockPolicy.RECOMPUTE`` on every block (only each block's input stays; the
+  backward runs the block again);
+- ``auto``: the budget planner's choice (``mmpipe.memory.budget.choose_policies``, costs from the
+  meta device, ``mmpipe.sched.cost``): the cheapest per-block mix of keep, recompute and offload
+  (``FileTier`` on CPU, the pinned ``HostTier`` on CUDA) whose *estimate* fits the cap.
 
-- ``overhead``: at the longest length both fit (keep's longest), auto as a run with this cap gets
-  it: the policy the planner chooses for that length (at the cap's edge it still recomputes or
-  offloads what its estimate says does not fit);
-- ``overhead_longest_policy``: at the same length, the policy auto needs at its *longest* length
-  (a stress figure: a run planned for long sequences that meets short ones; compute shrinks with
-  the length faster than the bytes the policy moves, so offloading costs most there);
-- ``overhead_at_max_len_auto``: at auto's longest length, its policy against keep-everything run
-  there without the cap (what fitting that length costs).
+Measurement. Each (policy, length) runs in a fresh process (this script with ``--child``). After
+its imports (the interpreter and libraries: its baseline) it reads its resident size (``VmRSS``),
+resets the resident high-water mark (Linux >= 4.0: ``5 > /proc/self/clear_refs``), builds the
+model, its AdamW and the inputs, and runs one warm-up training step (forward, backward,
+``optimizer.step()``, which allocates AdamW's moments) and ``--reps`` more. Its peak is ``VmHWM``
+at the end less the baseline: weights, gradients, AdamW's moments, saved activations,
+rematerialised blocks, offloaded tensors still in memory (the file tier's pending writes, its
+read-back mappings), the backward's working set, library code the step pages in, and what the
+allocator keeps. On CUDA it is ``torch.cuda.max_memory_allocated`` since
+``reset_peak_memory_stats``, less what was allocated then (the host tier's pinned buffers are not
+GPU memory; the parent never initialises CUDA). Step time: the median of the ``--reps`` steps after
+the warm-up (forward, backward, optimizer step), each process on its own, not interleaved. A child
+that fails (out of memory, killed, over ``--child-timeout`` seconds) is a length that does not
+fit, reported with its stderr's tail.
 
-The cap
-defaults to what keep-everything needs at ``--cap-frames`` latent frames; lengths are swept every
-``--frame-step`` frames. ``--curve`` adds, at keep's longest length, the overhead of the policy auto
-chose for each longer length (what each multiple of the length costs) and of a recomputation-only
-policy for auto's longest length (what the offload tier saves or costs). The last stdout line is
-one JSON object.
+The cap: ``--cap-factor`` (default 1.0) times keep-everything's measured peak at ``--cap-frames``,
+measured first. A length fits a policy when its measured peak is at most the cap; the planner's
+estimate decides nothing. Auto's planner is asked for the cheapest policy under the cap minus the
+fixed part (``choose_policies(budget_bytes=cap, fixed_bytes=fixed)``), the fixed part being
+keep-everything's measured peak at one frame less the saved activations the cost model counts
+there: weights, gradients, AdamW's moments and the step's other overheads at the shortest length
+(one more child). A policy already measured at a length (auto choosing keep-everything, or
+recompute on every block) is not run again: its row is that run (``measured_by``). Every row
+carries the planner's estimate for its policy (``estimate_bytes``), so where the cost model and
+the measurement part is visible.
 
-    python benchmarks/memory.py                  # CPU, float32, file tier, about two minutes on 2 cores
-    # GPU, bf16, pinned host tier, 12 heads x 128; a cap at 16k tokens (64 frames), where a step is
-    # bound by the GPU's compute rather than by launching kernels (at 2k tokens it is: ~50 ms a step)
-    python benchmarks/memory.py --device cuda --cap-frames 64 --max-frames 192 --frame-step 32 --reps 5 --curve
+The sweep: ``--cap-frames``, then every ``--frame-step`` frames up to ``--max-frames`` (default
+8 x ``--cap-frames``). A column stops at its first length that does not fit: its longest length
+is the one before, and every shorter swept length fits too. A column that still fits at
+``--max-frames`` is flagged in ``capped_by_sweep`` (its figure is a lower bound).
+
+Printed: each row as it is measured, each column's longest length, auto's step time over
+recompute-all's at every length both fit, and two goals, met or missed: auto's longest length at
+least 3 x keep's, and auto fitting, no slower than recompute-all (within ``TIME_NOISE``, 5 %:
+separate processes), at every length recompute-all fits. The last stdout line is one JSON object:
+``max_len_keep``, ``max_len_recompute_all``, ``max_len_auto`` (tokens), ``max_len_ratio`` (auto /
+keep), ``auto_vs_recompute_all`` (the step-time ratio at the longest length both fit; by length in
+``auto_vs_recompute_all_by_len``), ``cap_bytes``, ``fixed_bytes``, ``device`` and ``rows``.
+
+The allocator is part of what is measured: glibc serves tensors under its mmap threshold (which
+rises to each freed mapping's size, up to 32 MiB) from its heaps, whose freed memory mostly stays
+resident, so a policy's peak includes the heaps' fragmentation. The children inherit the
+environment: with ``MALLOC_MMAP_THRESHOLD_=131072`` (recorded in ``malloc_env``) every larger
+tensor is a fresh mapping, returned when freed.
+
+    python benchmarks/memory.py     # CPU, float32, file tier; 8 blocks of 4 x 32
+    MALLOC_MMAP_THRESHOLD_=131072 python benchmarks/memory.py
+    python benchmarks/memory.py --device cuda --cap-frames 64 --frame-step 64 --reps 3  # bf16, 12 x 128
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import functools
 import json
-import shutil
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
-from pathlib import Path
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, cast
 
 import torch
 from diffusers import WanTransformer3DModel
@@ -56,7 +82,7 @@ from diffusers.utils import logging as diffusers_logging
 
 from mmpipe.memory.budget import FILE_TIER_BYTES_PER_S, BlockPricing, choose_policies
 from mmpipe.memory.host import HostTier
-from mmpipe.memory.policy import BlockPolicy, apply_block_policies, count_saved_bytes
+from mmpipe.memory.policy import BLOCK_LETTERS, BlockPolicy, apply_block_policies
 from mmpipe.memory.tiers import FileTier, Tier
 from mmpipe.sched.cost import measure_stage_cost
 from mmpipe.stages._source import ModuleSource
@@ -64,6 +90,11 @@ from mmpipe.stages.dit import WanDiTFlowMatchingStage
 
 GRID = 32  # latent height and width: 16 x 16 = 256 tokens a frame after 2 x 2 patches
 TOKENS = (GRID // 2) ** 2
+COLUMNS = ("keep", "recompute_all", "auto")
+LETTER = {policy: letter for letter, policy in BLOCK_LETTERS.items()}
+TIME_NOISE = 0.05  # auto counts as no slower than recompute-all within this (steps of separate processes)
+GOAL_RATIO = 3.0  # auto's longest length over keep's
+MiB = 2**20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,10 +115,21 @@ class Setup:
         return self.device.type == "cuda"
 
 
-@functools.cache
-def pristine(setup: Setup) -> torch.nn.Module:
-    """The model, built once per setup: randomly initialising the 300M-parameter GPU configuration
-    takes seconds, and the benchmark runs a few hundred steps, each on a fresh copy."""
+def make_setup(device: str, layers: int, heads: int, head_dim: int) -> Setup:
+    """CPU: float32, file tier, 4 x 32 heads by default; CUDA: bf16, pinned host tier, 12 x 128."""
+    if torch.device(device).type == "cuda":
+        return Setup(
+            layers=layers, heads=heads or 12, head_dim=head_dim or 128, device=torch.device(device),
+            dtype=torch.bfloat16, flops_per_s=989e12 * 0.45, offload_bytes_per_s=5e10, overlap=True,
+        )  # fmt: skip
+    return Setup(
+        layers=layers, heads=heads or 4, head_dim=head_dim or 32, device=torch.device(device),
+        dtype=torch.float32, flops_per_s=5e10, offload_bytes_per_s=FILE_TIER_BYTES_PER_S, overlap=False,
+    )  # fmt: skip
+
+
+def wan_dit(setup: Setup) -> torch.nn.Module:
+    """The Wan DiT, randomly initialised (seeded) on the current default device, in float32."""
     torch.manual_seed(0)
     width = setup.heads * setup.head_dim
     module = WanTransformer3DModel(
@@ -95,190 +137,383 @@ def pristine(setup: Setup) -> torch.nn.Module:
         in_channels=16, out_channels=16, text_dim=64, freq_dim=64, ffn_dim=4 * width,
         num_layers=setup.layers, cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=1024,
     )  # fmt: skip
-    module.to(device=setup.device)
-    if setup.dtype != torch.float32:
-        module.to(dtype=setup.dtype)  # all of it (diffusers warns that it keeps norms in fp32 when loading)
-    return module.requires_grad_(False)  # never trained itself: only its copies are
+    return cast(torch.nn.Module, module)
 
 
-def build_stage(setup: Setup) -> WanDiTFlowMatchingStage:
-    """A fresh stage (its own copy of the weights, no block policies applied yet)."""
-    module = copy.deepcopy(pristine(setup)).requires_grad_(True)
+def make_stage(module: torch.nn.Module) -> WanDiTFlowMatchingStage:
     return WanDiTFlowMatchingStage("dit", ModuleSource.from_module(module), shift=3.0)
 
 
-def inputs(setup: Setup, frames: int) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(1)
-    raw = {
-        "latents": torch.randn(1, 16, frames, GRID, GRID, generator=gen),
-        "context": torch.randn(1, 16, 64, generator=gen),
-    }
-    return {k: v.to(device=setup.device, dtype=setup.dtype) for k, v in raw.items()}
+def input_shapes(setup: Setup, frames: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    return {"latents": ((1, 16, frames, GRID, GRID), setup.dtype), "context": ((1, 16, 64), setup.dtype)}
 
 
-def sync(setup: Setup) -> None:
+# -- the child: one measured run -----------------------------------------------------------------------
+
+
+def status_bytes(field: str) -> int:
+    """A ``/proc/self/status`` field (``VmRSS``, ``VmHWM``: kB) in bytes."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
+class Meter:
+    """Peak memory of what runs after :meth:`start`: on CPU the resident high-water mark less the
+    resident size at the start, on CUDA the peak allocated less what was allocated at the start."""
+
+    def __init__(self, setup: Setup) -> None:
+        self.setup, self.baseline = setup, 0
+
+    def start(self) -> None:
+        if self.setup.cuda:
+            torch.cuda.synchronize(self.setup.device)
+            torch.cuda.reset_peak_memory_stats(self.setup.device)
+            self.baseline = torch.cuda.memory_allocated(self.setup.device)
+            return
+        self.baseline = status_bytes("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:  # VmHWM := VmRSS
+            f.write("5")
+
+    def peak(self) -> int:
+        if self.setup.cuda:
+            torch.cuda.synchronize(self.setup.device)
+            return torch.cuda.max_memory_allocated(self.setup.device) - self.baseline
+        return status_bytes("VmHWM") - self.baseline
+
+
+def train_step(
+    setup: Setup, stage: WanDiTFlowMatchingStage, optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor]
+) -> float:
+    """Seconds of one forward, backward and optimizer step."""
     if setup.cuda:
         torch.cuda.synchronize(setup.device)
-
-
-def step(setup: Setup, frames: int, policies: list[BlockPolicy] | None, tier: Tier) -> tuple[int, float]:
-    """(resident saved bytes, seconds) of one forward + backward with ``policies`` (None: keep). Steps
-    share one tier, as a run's steps share their rank's."""
-    stage = build_stage(setup)
-    if policies is not None:
-        apply_block_policies(list(stage.module.blocks), policies, tier=tier)  # type: ignore[union-attr]
-    batch = inputs(setup, frames)
-    sync(setup)
     start = time.perf_counter()
-    with count_saved_bytes() as held:
-        loss = stage.forward(stage.module, batch, seed=0)["loss"]
-    loss.backward()
-    sync(setup)
-    return held[0], time.perf_counter() - start
+    stage.forward(stage.module, batch, seed=0)["loss"].backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    if setup.cuda:
+        torch.cuda.synchronize(setup.device)
+    return time.perf_counter() - start
 
 
-def fixed_bytes(setup: Setup) -> int:
-    return 16 * sum(p.numel() for p in pristine(setup).parameters())
+def child(setup: Setup, frames: int, blocks: str, reps: int) -> dict[str, Any]:
+    """One warm-up and ``reps`` measured training steps with the per-block policies ``blocks`` (one
+    letter a block: k, r, o), their peak memory and median step seconds."""
+    with tempfile.TemporaryDirectory(prefix="mmpipe-bench-spill-") as spill:
+        tier: Tier = HostTier() if setup.cuda else FileTier(spill)
+        meter = Meter(setup)
+        meter.start()
+        module = wan_dit(setup).to(dtype=setup.dtype).to(device=setup.device)
+        apply_block_policies(list(cast(Any, module).blocks), [BLOCK_LETTERS[c] for c in blocks], tier=tier)
+        optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
+        gen = torch.Generator().manual_seed(1)
+        batch = {
+            k: torch.randn(shape, generator=gen).to(device=setup.device, dtype=dtype)
+            for k, (shape, dtype) in input_shapes(setup, frames).items()
+        }
+        stage = make_stage(module)
+        times = [train_step(setup, stage, optimizer, batch) for _ in range(reps + 1)]
+        peak = meter.peak()
+        tier.close()
+    return {
+        "peak_bytes": peak,
+        "step_s": statistics.median(times[1:]),
+        "offloaded_bytes": tier.stats.offloaded_bytes,
+        "device": torch.cuda.get_device_name(setup.device) if setup.cuda else "cpu",
+    }
 
 
-def auto_choice(setup: Setup, frames: int, cap: int, *, offload: bool = True) -> Any:
-    """The planner's choice at ``frames`` under ``cap`` (``offload=False``: recomputation only)."""
-    stage = build_stage(setup)
-    shapes = {k: (tuple(v.shape), v.dtype) for k, v in inputs(setup, frames).items()}
-    cost = measure_stage_cost(stage, shapes, dtype=setup.dtype, seed=0)
+# -- the parent: the sweep ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One column at one length: the policy run, what it measured and whether that fits the cap."""
+
+    column: str
+    frames: int
+    blocks: str  # one letter a block (k, r, o); empty when the planner found nothing that fits
+    fits: bool
+    peak_bytes: int | None = None
+    step_s: float | None = None
+    estimate_bytes: int | None = None  # the planner's resident estimate for this policy
+    offloaded_bytes: int = 0
+    measured_by: str = ""  # the column whose run this is (auto choosing keep or recompute-all shares theirs)
+    error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"len": self.frames * TOKENS, "policy": self.column} | {
+            k: v for k, v in dataclasses.asdict(self).items() if k != "column"
+        }
+
+
+@functools.cache
+def pricing(setup: Setup, frames: int) -> BlockPricing:
+    """The planner's view of the stage at ``frames`` (the cost model's meta-device measurement)."""
+    with torch.device("meta"):
+        stage = make_stage(wan_dit(setup))
+    cost = measure_stage_cost(stage, input_shapes(setup, frames), dtype=setup.dtype, seed=0)
     # On a GPU the copies overlap the blocks' forward and backward (3x the forward's FLOPs)
     hidden = 3 * cost.block_flops / setup.flops_per_s if setup.overlap else 0.0
-    pricing = BlockPricing.from_cost(
+    return BlockPricing.from_cost(
         cost, flops_per_s=setup.flops_per_s, offload_bytes_per_s=setup.offload_bytes_per_s, hidden_s=hidden
     )
-    return choose_policies(pricing, budget_bytes=cap, inflight=1, fixed_bytes=fixed_bytes(setup), offload=offload)
 
 
-def counts(choice: Any) -> dict[str, int]:
-    return {"recompute": choice.recompute, "offload": choice.offload, "blocks": choice.blocks}
-
-
-def interleaved_medians(
-    setup: Setup, frames: int, policies: list[BlockPolicy], tier: Tier, reps: int
-) -> tuple[float, float]:
-    """Median step seconds of keep-everything and of ``policies`` at ``frames``, run alternately."""
-    step(setup, frames, None, tier)  # warm-up of each (the tier's spill file grows to size once)
-    step(setup, frames, policies, tier)
-    keep, policy = [], []
-    for _ in range(reps):
-        keep.append(step(setup, frames, None, tier)[1])
-        policy.append(step(setup, frames, policies, tier)[1])
-    return statistics.median(keep), statistics.median(policy)
-
-
-def make_setup(args: argparse.Namespace) -> Setup:
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise SystemExit("--device cuda: no CUDA device is visible")
-        return Setup(
-            layers=args.layers, heads=args.heads or 12, head_dim=args.head_dim or 128, device=device,
-            dtype=torch.bfloat16, flops_per_s=989e12 * 0.45, offload_bytes_per_s=5e10, overlap=True,
-        )  # fmt: skip
-    return Setup(
-        layers=args.layers, heads=args.heads or 4, head_dim=args.head_dim or 32, device=device,
-        dtype=torch.float32, flops_per_s=5e10, offload_bytes_per_s=FILE_TIER_BYTES_PER_S, overlap=False,
+def estimate(setup: Setup, frames: int, blocks: str, fixed: int) -> int:
+    """The planner's resident estimate for ``blocks`` at ``frames``."""
+    return pricing(setup, frames).resident_bytes(
+        blocks.count(LETTER[BlockPolicy.RECOMPUTE]), blocks.count(LETTER[BlockPolicy.OFFLOAD]),
+        inflight=1, fixed_bytes=fixed,
     )  # fmt: skip
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cpu", help="cpu (file tier) or cuda (pinned host tier)")
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--heads", type=int, default=0, help="default: 4 on CPU, 12 on CUDA")
-    parser.add_argument("--head-dim", type=int, default=0, help="default: 32 on CPU, 128 on CUDA")
-    parser.add_argument("--cap-frames", type=int, default=2, help="the cap: what keep needs at this many frames")
-    parser.add_argument("--max-frames", type=int, default=16)
-    parser.add_argument("--frame-step", type=int, default=1, help="latent frames between the lengths swept")
-    parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument(
-        "--curve",
-        action="store_true",
-        help="also time, at keep's longest length, the policy auto chose at each longer length it fits, and a "
-        "recomputation-only policy for auto's longest length (how the overhead grows with the length bought)",
-    )
-    args = parser.parse_args()
-    if args.frame_step < 1 or args.cap_frames < 1 or args.max_frames < args.cap_frames:
-        raise SystemExit(
-            f"--frame-step {args.frame_step}, --cap-frames {args.cap_frames}, --max-frames {args.max_frames}: "
-            "need steps and a cap of at least one frame and --max-frames >= --cap-frames"
-        )
-    diffusers_logging.set_verbosity_error()
-    setup = make_setup(args)
-    spill = Path(tempfile.mkdtemp(prefix="mmpipe-bench-spill-"))
-    tier: Tier = HostTier() if setup.cuda else FileTier(spill)
-    fixed = fixed_bytes(setup)
-    cap = step(setup, args.cap_frames, None, tier)[0] + fixed
-    max_keep = max_auto = 0
-    chosen: dict[int, Any] = {}
-    lengths = sorted({*range(args.frame_step, args.max_frames + 1, args.frame_step), args.cap_frames})
-    for frames in lengths:
-        keep_held, _ = step(setup, frames, None, tier)
-        if keep_held + fixed <= cap:
-            max_keep = frames
+class Runner:
+    """Runs children (each (length, policies) once: a second column asking for it shares the
+    measurement) and judges their peaks against the cap."""
+
+    def __init__(self, args: argparse.Namespace, setup: Setup) -> None:
+        self.args, self.setup = args, setup
+        self.done: dict[tuple[int, str], dict[str, Any]] = {}  # (frames, blocks) -> the child's result
+        self.cap = self.fixed = 0
+
+    def spawn(self, frames: int, blocks: str) -> dict[str, Any]:
+        """A child's result, or ``{"error": ...}`` when it failed."""
+        command = [
+            sys.executable, os.path.abspath(__file__), "--child", "--device", str(self.setup.device),
+            "--layers", str(self.setup.layers), "--heads", str(self.setup.heads),
+            "--head-dim", str(self.setup.head_dim), "--frames", str(frames), "--blocks", blocks,
+            "--reps", str(self.args.reps),
+        ]  # fmt: skip
         try:
-            choice = auto_choice(setup, frames, cap)
+            out = subprocess.run(command, capture_output=True, text=True, timeout=self.args.child_timeout)
+        except subprocess.TimeoutExpired as err:
+            return {"error": f"timed out after {err.timeout:g} s"}
+        lines = out.stdout.strip().splitlines()
+        try:
+            if out.returncode == 0 and lines:
+                return cast(dict[str, Any], json.loads(lines[-1]))
         except ValueError:
-            break  # longer sequences need more than the cap even with every block recomputed / offloaded
-        held, _ = step(setup, frames, choice.policies(), tier)
-        print(f"frames {frames:3d} ({frames * TOKENS} tokens): keep {(keep_held + fixed) / 2**20:7.1f} MiB, auto "
-              f"{(held + fixed) / 2**20:7.1f} MiB with {choice.recompute} recomputed / {choice.offload} offloaded "
-              f"(cap {cap / 2**20:.1f} MiB)", flush=True)  # fmt: skip
-        if held + fixed <= cap:
-            max_auto, chosen[frames] = frames, choice
-    assert max_keep >= 1 and max_auto >= max_keep
-    keep_t, auto_t = interleaved_medians(setup, max_keep, chosen[max_keep].policies(), tier, args.reps)
-    print(f"auto's own policy at {max_keep * TOKENS} tokens: {auto_t / keep_t - 1:+.1%}", flush=True)
-    policy = chosen[max_auto].policies()
-    stress_keep_t, stress_t = interleaved_medians(setup, max_keep, policy, tier, args.reps)
-    print(
-        f"policy for {max_auto * TOKENS} tokens at {max_keep * TOKENS}: {stress_t / stress_keep_t - 1:+.1%}", flush=True
-    )
-    # and at auto's longest length against keep-everything run there without the cap
-    long_keep_t, long_auto_t = interleaved_medians(setup, max_auto, policy, tier, args.reps)
-    extra: dict[str, Any] = {}
-    if args.curve:
-        curve = []
-        for frames, choice in sorted(chosen.items()):
-            if max_keep < frames < max_auto:  # (auto's longest is the headline figure above)
-                k, a = interleaved_medians(setup, max_keep, choice.policies(), tier, args.reps)
-                curve.append({"len": frames * TOKENS, "policy": counts(choice), "overhead": round(a / k - 1, 4)})
-                print(f"policy for {frames * TOKENS} tokens at {max_keep * TOKENS}: {a / k - 1:+.1%}", flush=True)
-        extra["overhead_curve"] = curve
+            pass
+        return {"error": f"exit status {out.returncode}: ...{out.stderr[-1500:]}"}
+
+    def peak(self, column: str, frames: int, blocks: str) -> int | None:
+        """The measured peak of ``blocks`` at ``frames`` (run now unless it ran before; None: it failed)."""
+        if (frames, blocks) not in self.done:
+            self.done[(frames, blocks)] = self.spawn(frames, blocks) | {"column": column}
+        return self.done[(frames, blocks)].get("peak_bytes")
+
+    def measure(self, column: str, frames: int, blocks: str) -> Row:
+        peak = self.peak(column, frames, blocks)
+        got = self.done[(frames, blocks)]
+        return Row(
+            column, frames, blocks, fits=peak is not None and peak <= self.cap, peak_bytes=peak,
+            step_s=got.get("step_s"), estimate_bytes=estimate(self.setup, frames, blocks, self.fixed),
+            offloaded_bytes=got.get("offloaded_bytes", 0), measured_by=got["column"], error=got.get("error"),
+        )  # fmt: skip
+
+    def calibrate(self) -> None:
+        """The cap (keep-everything at ``--cap-frames``) and the planner's fixed part (keep-everything
+        at one frame less the saved activations the cost model counts there)."""
+        keep = "k" * self.setup.layers
+        peaks = {}
+        for frames in (1, self.args.cap_frames):
+            peaks[frames] = self.peak("keep", frames, keep)
+            if peaks[frames] is None:
+                raise SystemExit(f"keep-everything at {frames} frames failed: {self.done[(frames, keep)]['error']}")
+        self.fixed = max(0, (peaks[1] or 0) - pricing(self.setup, 1).resident_bytes(0, 0, inflight=1))
+        self.cap = round(self.args.cap_factor * (peaks[self.args.cap_frames] or 0))
+
+    @property
+    def device_name(self) -> str:
+        """As the children name it (the parent does not initialise CUDA)."""
+        return next((got["device"] for got in self.done.values() if "device" in got), str(self.setup.device))
+
+    def auto(self, frames: int) -> Row:
+        """The planner's policy at ``frames``, measured (or why the planner found none)."""
         try:
-            plain = auto_choice(setup, max_auto, cap, offload=False)
+            choice = choose_policies(
+                pricing(self.setup, frames), budget_bytes=self.cap, inflight=1, fixed_bytes=self.fixed
+            )
         except ValueError as err:
-            extra["recompute_only"] = {"fits": False, "why": str(err)}
-        else:
-            k, a = interleaved_medians(setup, max_keep, plain.policies(), tier, args.reps)
-            extra["recompute_only"] = {"policy": counts(plain), "overhead": round(a / k - 1, 4)}
-    result = {
-        "device": torch.cuda.get_device_name(setup.device) if setup.cuda else "cpu",
-        "tier": type(tier).__name__,
+            return Row("auto", frames, "", fits=False, error=f"planner: {err}")
+        return self.measure("auto", frames, "".join(LETTER[p] for p in choice.policies()))
+
+    def run(self, column: str, frames: int) -> Row:
+        if column == "auto":
+            return self.auto(frames)
+        letter = LETTER[BlockPolicy.KEEP if column == "keep" else BlockPolicy.RECOMPUTE]
+        return self.measure(column, frames, letter * self.setup.layers)
+
+
+def show(row: Row, cap: int) -> str:
+    """One printed line: the row's policy, measured peak, the planner's estimate, step time and verdict."""
+    peak = f"{row.peak_bytes / MiB:8.1f}" if row.peak_bytes is not None else "       -"
+    est = f"{row.estimate_bytes / MiB:8.1f}" if row.estimate_bytes is not None else "       -"
+    step = f"{row.step_s:7.3f} s" if row.step_s is not None else "      - "
+    shared = f" ({row.measured_by}'s run)" if row.measured_by not in ("", row.column) else ""
+    why = f": {row.error.strip().splitlines()[-1]}" if row.error and row.error.strip() else ""
+    return (
+        f"{row.column:13s} {row.frames:3d} frames ({row.frames * TOKENS:6d} tokens) {row.blocks or '-':>8s}: "
+        f"peak {peak} MiB (planner {est}, cap {cap / MiB:.1f}), step {step} {'fits' if row.fits else 'does not fit'}"
+        f"{why}{shared}"
+    )
+
+
+def sweep(runner: Runner, lengths: Sequence[int]) -> list[Row]:
+    """Every column at each length in turn, each until its first length that does not fit."""
+    rows: list[Row] = []
+    alive = set(COLUMNS)
+    for frames in lengths:
+        for column in COLUMNS:
+            if column in alive:
+                row = runner.run(column, frames)
+                print(show(row, runner.cap), flush=True)
+                rows.append(row)
+                if not row.fits:
+                    alive.discard(column)
+        if not alive:
+            break
+    return rows
+
+
+def longest(rows: Sequence[Row], column: str) -> int:
+    """The column's longest length (frames) whose run, and every shorter one's, fits (0: none)."""
+    best = 0
+    for row in sorted((r for r in rows if r.column == column), key=lambda r: r.frames):
+        if not row.fits:
+            break
+        best = row.frames
+    return best
+
+
+def step_ratios(rows: Sequence[Row]) -> dict[int, float]:
+    """Auto's step seconds over recompute-all's, at each length both fit (frames -> ratio)."""
+    steps = {(r.column, r.frames): r.step_s for r in rows if r.fits and r.step_s}
+    return {
+        frames: seconds / steps[("recompute_all", frames)]
+        for (column, frames), seconds in steps.items()
+        if column == "auto" and ("recompute_all", frames) in steps
+    }
+
+
+def no_slower(rows: Sequence[Row], ratios: dict[int, float]) -> bool | None:
+    """Whether auto fits, no slower than recompute-all (within ``TIME_NOISE``), at every length
+    recompute-all fits (None: recompute-all fits nowhere)."""
+    lengths = [r.frames for r in rows if r.column == "recompute_all" and r.fits]
+    if not lengths:
+        return None
+    return all(f in ratios and ratios[f] <= 1 + TIME_NOISE for f in lengths)
+
+
+def summarize(runner: Runner, rows: Sequence[Row], lengths: Sequence[int]) -> dict[str, Any]:
+    """The JSON result (lengths in tokens)."""
+    best = {c: longest(rows, c) for c in COLUMNS}
+    ratios = step_ratios(rows)
+    both = max(ratios, default=None)
+    ratio = best["auto"] / best["keep"] if best["keep"] else None
+    setup, args = runner.setup, runner.args
+    return {
+        "measured": True,
+        "device": runner.device_name,
+        "peak": "max_memory_allocated - allocated at start" if setup.cuda else "VmHWM - VmRSS at start (clear_refs 5)",
         "dtype": str(setup.dtype).removeprefix("torch."),
         "model": {"layers": setup.layers, "heads": setup.heads, "head_dim": setup.head_dim},
-        "cap_mib": round(cap / 2**20, 1),
-        "max_len_keep": max_keep * TOKENS,
-        "max_len_auto": max_auto * TOKENS,
-        "max_len_ratio": round(max_auto / max_keep, 3),
-        "auto_policy": counts(chosen[max_auto]),
-        "overhead_at_len": max_keep * TOKENS,
-        "overhead_policy": counts(chosen[max_keep]),
-        "keep_step_s": round(keep_t, 4),
-        "auto_step_s": round(auto_t, 4),
-        "overhead": round(auto_t / keep_t - 1, 4),
-        "overhead_longest_policy": round(stress_t / stress_keep_t - 1, 4),
-        "overhead_at_max_len_auto": round(long_auto_t / long_keep_t - 1, 4),  # keep there ignores the cap
-        "offloaded_bytes": tier.stats.offloaded_bytes,
-        "prefetched_bytes": tier.stats.prefetched_bytes,
-    } | extra
-    tier.close()
-    shutil.rmtree(spill, ignore_errors=True)
+        "tokens_per_frame": TOKENS,
+        "reps": args.reps,
+        "cap_frames": args.cap_frames,
+        "cap_factor": args.cap_factor,
+        "cap_bytes": runner.cap,
+        "fixed_bytes": runner.fixed,
+        "malloc_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},
+        "max_frames": lengths[-1],
+        **{f"max_len_{c}": best[c] * TOKENS for c in COLUMNS},
+        "max_len_ratio": round(ratio, 3) if ratio is not None else None,
+        "recompute_all_ratio": round(best["recompute_all"] / best["keep"], 3) if best["keep"] else None,
+        "capped_by_sweep": {c: best[c] == lengths[-1] for c in COLUMNS},
+        "auto_vs_recompute_all": round(ratios[both], 4) if both is not None else None,
+        "auto_vs_recompute_all_at_len": both * TOKENS if both is not None else None,
+        "auto_vs_recompute_all_by_len": {str(f * TOKENS): round(r, 4) for f, r in sorted(ratios.items())},
+        "goal_ratio_met": ratio is not None and ratio >= GOAL_RATIO,
+        "goal_auto_no_slower_met": no_slower(rows, ratios),
+        "rows": [r.to_json() for r in rows],
+    }
+
+
+def report(result: dict[str, Any]) -> None:
+    for column in COLUMNS:
+        capped = " (the sweep's end: a lower bound)" if result["capped_by_sweep"][column] else ""
+        print(f"longest length that fits, {column}: {result[f'max_len_{column}']} tokens{capped}")
+    for length, r in result["auto_vs_recompute_all_by_len"].items():
+        print(f"auto / recompute-all step time at {length} tokens: {r:.3f}")
+    verdict = {True: "met", False: "missed", None: "not measured: recompute-all fits nowhere"}
+    print(f"goal: auto's longest length >= {GOAL_RATIO:g} x keep's: x{result['max_len_ratio']} "
+          f"({verdict[result['goal_ratio_met']]})")  # fmt: skip
+    print(f"goal: auto fits, its step no slower than recompute-all's (within {TIME_NOISE:.0%}), at every length "
+          f"recompute-all fits: {verdict[result['goal_auto_no_slower_met']]}")  # fmt: skip
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``parser.error`` naming the first bad value."""
+    least = {"layers": 2, "heads": 0, "head_dim": 0, "cap_frames": 1, "frame_step": 1, "reps": 1, "frames": 1}
+    for name, low in least.items():
+        if getattr(args, name) < low:
+            parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be at least {low}")
+    if args.max_frames < args.cap_frames:
+        parser.error(f"--max-frames {args.max_frames}: must be at least --cap-frames ({args.cap_frames})")
+    for name in ("cap_factor", "child_timeout"):
+        if not getattr(args, name) > 0:
+            parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be positive")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        parser.error(f"--device {args.device!r}: cpu or cuda[:N]")
+    if device.type not in ("cpu", "cuda"):
+        parser.error(f"--device {args.device!r}: cpu or cuda[:N]")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device!r}: no CUDA device is visible")
+    if device.type == "cpu" and not os.path.exists("/proc/self/clear_refs"):
+        parser.error("--device cpu: the peak is read from /proc/self/status after clear_refs (Linux >= 4.0)")
+    if args.child and (len(args.blocks) != args.layers or set(args.blocks) - set(BLOCK_LETTERS)):
+        parser.error(f"--blocks {args.blocks!r}: one of {'/'.join(BLOCK_LETTERS)} for each of {args.layers} blocks")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu", help="cpu (file tier) or cuda[:N] (pinned host tier)")
+    parser.add_argument("--layers", type=int, default=8, help="transformer blocks (at least 2)")
+    parser.add_argument("--heads", type=int, default=0, help="default (0): 4 on CPU, 12 on CUDA")
+    parser.add_argument("--head-dim", type=int, default=0, help="default (0): 32 on CPU, 128 on CUDA")
+    parser.add_argument("--cap-frames", type=int, default=2, help="the cap: what keep measures at this many frames")
+    parser.add_argument("--cap-factor", type=float, default=1.0, help="the cap: this times keep's peak")
+    parser.add_argument("--max-frames", type=int, default=0, help="the sweep's end (default: 8 x --cap-frames)")
+    parser.add_argument("--frame-step", type=int, default=1, help="latent frames between the lengths swept")
+    parser.add_argument("--reps", type=int, default=3, help="timed steps after the warm-up step, per run")
+    parser.add_argument("--child-timeout", type=float, default=900.0, help="seconds one run may take")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # one run: --frames, --blocks
+    parser.add_argument("--frames", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--blocks", default="", help=argparse.SUPPRESS)  # a letter a block: k, r, o (s)
+    args = parser.parse_args(argv)
+    args.max_frames = args.max_frames or 8 * args.cap_frames
+    check_args(parser, args)
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    diffusers_logging.set_verbosity_error()
+    setup = make_setup(args.device, args.layers, args.heads, args.head_dim)
+    if args.child:
+        print(json.dumps(child(setup, args.frames, args.blocks, args.reps)))
+        return
+    runner = Runner(args, setup)
+    runner.calibrate()
+    print(f"cap {runner.cap / MiB:.1f} MiB (keep-everything at {args.cap_frames} frames x {args.cap_factor:g}); "
+          f"planner's fixed part {runner.fixed / MiB:.1f} MiB", flush=True)  # fmt: skip
+    lengths = list(range(args.cap_frames, args.max_frames + 1, args.frame_step))
+    rows = sweep(runner, lengths)
+    result = summarize(runner, rows, lengths)
+    report(result)
     print(json.dumps(result))
 
 
