@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from mmpipe.sched.calibration import Calibration
@@ -60,6 +60,19 @@ class Workload:
             frozenset(n for n, s in graph.stages.items() if not s.frozen),
         )
 
+    def only(self, stages: Iterable[str], name: str | None = None) -> Workload:
+        """This workload restricted to ``stages``, whose inputs from the other stages are precomputed
+        (a DiT trained on cached latents and text embeddings); edges among them are kept."""
+        keep = list(dict.fromkeys(stages))
+        unknown = sorted(set(keep) - set(self.order))
+        if unknown or not keep:
+            raise ValueError(f"Workload.only: unknown or no stages {unknown or keep}; stages: {list(self.order)}")
+        order = tuple(s for s in self.order if s in keep)
+        edges = tuple((a, b) for a, b in self.edges if a in keep and b in keep)
+        graph = _Subgraph({s: self.graph.stages[s] for s in order}, edges, order)
+        costs = {s: self.costs[s] for s in order}
+        return Workload.of(name or f"{self.name}[{'+'.join(order)}]", graph, costs, self.global_batch)
+
     def model_flops(self, stage: str) -> float:
         """FLOPs per sample of ``stage`` (forward, plus backward when on the backward path)."""
         c = self.costs[stage]
@@ -68,6 +81,21 @@ class Workload:
     @property
     def tokens_per_sample(self) -> int:
         return max((c.tokens for c in self.costs.values()), default=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Subgraph:
+    """Some stages of a graph and the edges among them (what :class:`GraphInfo` reads)."""
+
+    stages: Mapping[str, Any]
+    edges: tuple[tuple[str, str], ...]
+    order: tuple[str, ...]
+
+    def topological_order(self) -> list[str]:
+        return list(self.order)
+
+    def stage_edges(self) -> list[tuple[str, str]]:
+        return list(self.edges)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +115,12 @@ class StageConfig:
     inflight: int = 1
     sync_s: float = 0.0  # gradient reduce-scatter, once per step (in the last micro-batch's backward)
     gather_once: bool = False  # FSDP parameters gathered once per step and kept (DeviceGroup.gather_once)
+    reserved: float = 0.0  # bytes of other stages on the same ranks that ``memory`` includes
+
+    @property
+    def own_memory(self) -> float:
+        """Peak bytes per rank of this stage alone (``memory`` less ``reserved``)."""
+        return self.memory - self.reserved
 
     @property
     def ranks(self) -> int:
@@ -208,7 +242,20 @@ class CostModel:
         if inflight * moved > self.cluster.host_memory_bytes:
             memory = math.inf  # the offloaded activations do not fit host memory
         return StageConfig(
-            stage, dp, ulysses, ring, recompute, offload, n, forward_s, backward_s, memory, inflight, sync, gather_once
+            stage,
+            dp,
+            ulysses,
+            ring,
+            recompute,
+            offload,
+            n,
+            forward_s,
+            backward_s,
+            memory,
+            inflight,
+            sync,
+            gather_once,
+            reserved,
         )
 
     def collective(self, kind: str, nbytes: float, ranks: int) -> float:

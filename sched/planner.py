@@ -24,9 +24,21 @@ fastest simulated plan that fits every rank's memory wins. Rank assignment is to
 sequence-parallel replicas are consecutive ranks inside the innermost bandwidth level, groups
 with sequence parallelism are placed first, on level boundaries, and data parallelism spans levels.
 
-Baselines computed the same way: *colocated-sequential* (all stages in turn on every rank, data
-parallelism only, with the best memory policy that fits), *uniform split* (rank counts
-proportional to parameter counts) and the *lower bound* (total FLOPs / ranks x peak x efficiency).
+Baselines, each searched and simulated the way the plan is:
+
+- *colocated (FSDP + SP)* (``COLOCATED_BASELINE``, the figure ``vs_colocated`` is against): what
+  users write by hand, every stage colocated on all ranks with its own data-parallel (FSDP) x
+  Ulysses x ring split, gathered-once parameters and every memory policy; the same colocated search
+  as the plan's minus frozen replicas taking turns over micro-batches, with the same number of
+  simulated candidates (``simulate_top``);
+- *colocated-sequential* (context): all stages in turn on every rank, data parallelism only, with
+  the best memory policy that fits, its best estimate simulated;
+- *uniform split* (context): rank counts proportional to parameter counts.
+
+The planner's answer is the best simulated of its own candidates; no baseline is substituted
+into it. The *lower bound* runs every stage's model FLOPs at the device's peak (efficiency 1), so
+the plan's fraction of it is its MFU; the *efficiency bound* runs them at the cost model's
+efficiency (what a perfect layout could reach in this model).
 
 The search (this module) prices configurations with the analytic model of
 :mod:`~mmpipe.sched.analytic`, calibrated by :mod:`~mmpipe.sched.calibration`, and returns the
@@ -52,6 +64,7 @@ from mmpipe.sched.schedule import build_plan
 from mmpipe.sched.simulator import bubble_fractions, simulate
 
 RING = (1, 2, 4, 8)
+COLOCATED_BASELINE = "colocated (FSDP + SP, best of the same search)"
 BUNDLE_MAX_DEVICES = 64  # hybrid layouts (stages sharing groups) are searched up to this size
 
 
@@ -79,15 +92,18 @@ class Planner:
         self.memory_policies = memory_policies
         self.micro_batches = micro_batches
         self.simulate_top = simulate_top
+        self._results: dict[tuple[Any, ...], PlanResult | PlanError] = {}
 
     # -- public ----------------------------------------------------------------------------------
     def plan(self) -> PlanReport:
+        """The best simulated candidate of every layout, the baselines and the bounds."""
         t0 = time.perf_counter()
         n = self.cluster.world_size
-        found = self.disaggregated() + self.colocated(sequence_parallel=True) + self.bundled()
+        by_hand = [c for c in self.colocated(sequence_parallel=True, turns=False) if c is not None]
+        found = self.disaggregated() + self.colocated(sequence_parallel=True) + by_hand + self.bundled()
         if self.batch_is_cap:
             found += self.disaggregated_capped()
-        cands = [c for c in found if c is not None]
+        cands = _distinct(c for c in found if c is not None)
         if not cands:
             tried = (
                 "even full recomputation and offload exceed it"
@@ -98,18 +114,14 @@ class Planner:
                 f"no configuration of {self.w.name} fits {self.cluster.name}: "
                 f"{self.cluster.memory_bytes / 1e9:.0f} GB per device; {tried}"
             )
-        best = self._first_runnable(cands, self.simulate_top)
+        best = self._first_runnable(cands, self.simulate_top, "mmpipe")
         if best is None:
             raise ValueError(f"no candidate plan of {self.w.name} on {self.cluster.name} runs without stalling")
-        best = dataclasses.replace(best, candidate=dataclasses.replace(best.candidate, name="mmpipe"))
+        colocated = self._first_runnable(_distinct(by_hand), self.simulate_top, COLOCATED_BASELINE)
         seq = [c for c in self.colocated(sequence_parallel=False) if c is not None]
-        colocated = self._first_runnable(seq, 1, "colocated-sequential")
+        sequential = self._first_runnable(seq, 1, "colocated-sequential")
         uni = self.uniform_split()
         uniform = self._first_runnable([uni], 1, "uniform split") if uni else None
-        # Baselines are real options too: never plan worse than one of them.
-        for alt in (colocated, uniform):
-            if alt is not None and alt.fits_memory and alt.samples_per_s > best.samples_per_s:
-                best = dataclasses.replace(alt, candidate=dataclasses.replace(alt.candidate, name="mmpipe"))
         return PlanReport(
             self.w.name,
             self.cluster.name,
@@ -117,27 +129,57 @@ class Planner:
             best.candidate.global_batch,
             best,
             colocated,
+            sequential,
             uniform,
             self.lower_bound(),
+            self.efficiency_bound(),
             time.perf_counter() - t0,
         )
 
-    def _first_runnable(self, cands: Sequence[Candidate], top: int, name: str | None = None) -> PlanResult | None:
+    def _first_runnable(self, cands: Sequence[Candidate], top: int, name: str) -> PlanResult | None:
         """The highest simulated throughput among the ``top`` best-estimated candidates whose
-        simulation does not stall (a stall is a plan the runtime could not run either)."""
-        ranked = sorted(cands, key=lambda c: -c.global_batch / c.estimate if c.estimate else 0.0)
+        simulation does not stall (a stall is a plan the runtime could not run either), named ``name``;
+        of candidates equally estimated, or plans equal but for rounding, the simplest (:func:`_complexity`)."""
+        ranked = sorted(cands, key=lambda c: (-c.global_batch / c.estimate if c.estimate else 0.0, _complexity(c)))
         results: list[PlanResult] = []
         for c in ranked:
             try:
-                results.append(self.evaluate(c, name))
+                results.append(self._evaluated(c))
             except PlanError:
                 continue
             if len(results) >= max(top, 1):
                 break
-        return max(results, key=lambda r: r.samples_per_s, default=None)
+        if not results:
+            return None
+        fastest = max(r.samples_per_s for r in results)
+        best = min(
+            (r for r in results if r.samples_per_s >= fastest * (1 - 1e-9)),
+            key=lambda r: _complexity(r.candidate),
+        )
+        return dataclasses.replace(best, candidate=dataclasses.replace(best.candidate, name=name))
+
+    def _evaluated(self, cand: Candidate) -> PlanResult:
+        """:meth:`evaluate` of ``cand``, once per distinct candidate of this planner."""
+        key = _key(cand)
+        if key not in self._results:
+            try:
+                self._results[key] = self.evaluate(cand)
+            except PlanError as e:
+                self._results[key] = e
+        got = self._results[key]
+        if isinstance(got, PlanError):
+            raise got
+        return got
 
     def lower_bound(self) -> float:
-        """Samples/s if every rank ran every stage's FLOPs at its calibrated efficiency, nothing else."""
+        """Samples/s if every rank ran every stage's model FLOPs at the device's peak FLOP/s
+        (efficiency 1), nothing else: a plan's fraction of it is its MFU."""
+        flops = sum(self.w.model_flops(s) for s in self.w.order)
+        return self.cluster.world_size * self.cluster.peak_flops / flops
+
+    def efficiency_bound(self) -> float:
+        """Samples/s if every rank ran every stage's model FLOPs at the cost model's (calibrated or
+        default) efficiency, nothing else: the most any layout reaches in this model."""
         seconds = sum(
             self.w.costs[s].forward_flops / self.model.rate(s, "forward")
             + (self.w.costs[s].backward_flops / self.model.rate(s, "backward") if s in self.w.backward else 0.0)
@@ -536,12 +578,14 @@ class Planner:
         return max([m * t for t in frozen] + [train])
 
     # -- colocated ------------------------------------------------------------------------------
-    def colocated(self, *, sequence_parallel: bool) -> list[Candidate | None]:
+    def colocated(self, *, sequence_parallel: bool, turns: bool = True) -> list[Candidate | None]:
+        """One colocated candidate per micro-batch size (``turns``: frozen replicas may take turns
+        over the step's micro-batches, with sequence parallelism only)."""
         out = []
         n = self.cluster.world_size
         for b in self._micro_batch_sizes():
             m = self.w.global_batch // b
-            cand = self._colocated(b, m, n, sequence_parallel)
+            cand = self._colocated(b, m, n, sequence_parallel, turns)
             if cand is None and not sequence_parallel and b < n and self.w.global_batch < n:
                 continue
             out.append(cand)
@@ -551,12 +595,12 @@ class Planner:
             out = [self._colocated(b, g // b, _largest_divisor_le(b, n), False) for b in self._micro_batch_sizes()]
         return out
 
-    def _colocated(self, b: int, m: int, ranks: int, sequence_parallel: bool) -> Candidate | None:
+    def _colocated(self, b: int, m: int, ranks: int, sequence_parallel: bool, turns: bool = True) -> Candidate | None:
         """Stages on backward paths take all ``ranks`` (their own dp x sequence split); frozen stages
         run data parallel on every rank (sequential baseline) or, with sequence parallelism, on one
-        rank per replica of the trainable layout, or on every rank taking turns over the micro-batches.
-        Each stage takes its fastest configuration that leaves the later stages room: weights of every
-        stage live on the ranks, the trainable stages' activations come last."""
+        rank per replica of the trainable layout, or (``turns``) on every rank taking turns over the
+        micro-batches. Each stage takes its fastest configuration that leaves the later stages room:
+        weights of every stage live on the ranks, the trainable stages' activations come last."""
         order = sorted(self.w.order, key=lambda s: s in self.w.backward)
 
         def options(s: str, reserved: float) -> list[StageConfig]:
@@ -569,8 +613,10 @@ class Planner:
                     # A frozen stage may take more replicas than the micro-batch has samples: they
                     # take turns over the step's micro-batches (DeviceGroup.rows), evenly when they
                     # divide the step's samples.
-                    turns = sequence_parallel and s not in self.w.backward and dp > b and (m * b) % dp == 0
-                    if b % dp and not turns:
+                    taking_turns = (
+                        turns and sequence_parallel and s not in self.w.backward and dp > b and (m * b) % dp == 0
+                    )
+                    if b % dp and not taking_turns:
                         continue
                     cfg = self.best_config(s, b, dp, m, sp=[(u, r)], reserved=reserved)
                     if cfg is not None:
@@ -583,13 +629,14 @@ class Planner:
             s = order[i]
             failed = math.inf  # the least memory that left the later stages no room
             for cfg in options(s, reserved)[: None if i < len(order) - 1 else 1]:
-                added = cfg.memory if s not in self.w.backward or cfg.ranks < ranks else 0.0  # on every rank
-                if added >= failed:
+                # cfg.memory includes ``reserved``: what stays on every rank for the later stages
+                kept = cfg.memory if s not in self.w.backward or cfg.ranks < ranks else reserved
+                if kept >= failed:
                     continue  # more memory than a choice that already failed: fails too
-                rest = choose(i + 1, reserved + added)
+                rest = choose(i + 1, kept)
                 if rest is not None:
                     return {s: cfg, **rest}
-                failed = added
+                failed = kept
             return None
 
         chosen = choose(0, 0.0)
@@ -681,16 +728,23 @@ class Planner:
         )
 
     def _peak_memory(self, cand: Candidate) -> dict[str, float]:
-        if cand.layout == "colocated":
-            weights = sum(c.memory for s, c in cand.configs.items() if s not in self.w.backward)
-            trained = max((c.memory for s, c in cand.configs.items() if s in self.w.backward), default=0.0)
-            total = max(weights, trained)  # trainable configs were sized with the frozen ones reserved
-            return {s: total for s in cand.configs}
-        # groups hosting several stages (bundles) were sized cumulatively: the largest is the total
-        shared: dict[tuple[int, ...], float] = {}
-        for s, c in cand.configs.items():
-            shared[cand.ranks[s]] = max(shared.get(cand.ranks[s], 0.0), c.memory)
-        return {s: shared[cand.ranks[s]] for s in cand.configs}
+        """Peak bytes per rank of each stage's group: the stages sharing its ranks, frozen ones first,
+        each adding its own memory to what those before it keep (in a colocated layout, a trainable
+        stage spanning every rank keeps nothing for the next: its activations are freed)."""
+        groups: dict[tuple[int, ...], list[str]] = {}
+        for s in self.w.order:
+            groups.setdefault(cand.ranks[s] if cand.layout != "colocated" else (), []).append(s)
+        widest = max(c.ranks for c in cand.configs.values())
+        out: dict[str, float] = {}
+        for members in groups.values():
+            kept = peak = 0.0
+            for s in sorted(members, key=lambda s: s in self.w.backward):
+                c = cand.configs[s]
+                peak = max(peak, kept + c.own_memory)
+                if cand.layout != "colocated" or s not in self.w.backward or c.ranks < widest:
+                    kept += c.own_memory
+            out |= dict.fromkeys(members, peak)
+        return out
 
     def _durations(self, cand: Candidate) -> Any:
         cfgs = cand.configs
@@ -742,6 +796,33 @@ def _reduce(cand: Candidate) -> Candidate | None:
                 return None
         size = at
     return dataclasses.replace(cand, configs=configs, ranks=ranks, micro_batch=cand.micro_batch // k, world_size=size)
+
+
+def _key(cand: Candidate) -> tuple[Any, ...]:
+    """What makes two candidates the same plan (their names and estimates aside)."""
+    return (
+        cand.layout,
+        tuple(sorted(cand.configs.items())),
+        tuple(sorted(cand.ranks.items())),
+        cand.micro_batch,
+        cand.micro_batches,
+        cand.world_size,
+    )
+
+
+def _complexity(cand: Candidate) -> tuple[int, float, int]:
+    """What makes a plan harder to run, in order: sequence-parallel degrees, recomputed and offloaded
+    fractions (each summed over stages), micro-batches."""
+    configs = cand.configs.values()
+    return sum(c.ulysses * c.ring for c in configs), sum(c.recompute + c.offload for c in configs), cand.micro_batches
+
+
+def _distinct(cands: Iterable[Candidate]) -> list[Candidate]:
+    """``cands`` without repeats (the first of each plan kept)."""
+    seen: dict[tuple[Any, ...], Candidate] = {}
+    for c in cands:
+        seen.setdefault(_key(c), c)
+    return list(seen.values())
 
 
 def _partitions(items: list[str]) -> Iterator[list[list[str]]]:

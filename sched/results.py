@@ -51,7 +51,7 @@ class PlanResult:
     simulated: bool
     samples_per_s: float
     tokens_per_s: float
-    mfu: float
+    mfu: float  # model FLOPs (forward, plus backward on backward paths) / (step time x world size x peak)
     bubble: float  # mean over used ranks of 1 - compute / wall
     stage_bubble: Mapping[str, float]
     peak_memory: Mapping[str, float]  # per stage group: bytes per rank (colocated: all stages' sum)
@@ -95,7 +95,15 @@ class PlanResult:
 
 @dataclasses.dataclass(frozen=True)
 class PlanReport:
-    """What ``plan`` returns: the chosen plan, the baselines and the lower bound."""
+    """What ``plan`` returns: the chosen plan, the baselines and the bounds.
+
+    ``colocated``: the baseline ``vs_colocated`` is against, every stage colocated on all ranks (FSDP x
+    Ulysses x ring, gathered-once parameters, every memory policy), searched and simulated as the
+    plan is, without frozen replicas taking turns; ``sequential`` (colocated-sequential, data
+    parallelism only) and ``uniform`` (uniform split) are context. ``lower_bound_samples_per_s``:
+    every rank running model FLOPs at the device's peak, so the plan's fraction of it is its MFU
+    (model FLOPs / (step time x ranks x peak)); ``efficiency_bound_samples_per_s``: the same at the
+    cost model's efficiency (0.45 uncalibrated), the most any layout reaches in the model."""
 
     workload: str
     cluster: str
@@ -103,29 +111,46 @@ class PlanReport:
     global_batch: int
     best: PlanResult
     colocated: PlanResult | None
+    sequential: PlanResult | None
     uniform: PlanResult | None
     lower_bound_samples_per_s: float
+    efficiency_bound_samples_per_s: float
     plan_seconds: float
 
     def vs(self, other: PlanResult | None) -> float | None:
+        """The plan's samples/s over ``other``'s; None when ``other`` is missing or does not fit."""
         if other is None or not other.fits_memory or other.samples_per_s <= 0:
             return None
         return self.best.samples_per_s / other.samples_per_s
 
+    @property
+    def vs_lower_bound(self) -> float:
+        """The plan's fraction of the peak-FLOP/s bound (equal to its MFU)."""
+        return self.best.samples_per_s / self.lower_bound_samples_per_s
+
+    @property
+    def vs_efficiency_bound(self) -> float:
+        """The plan's fraction of the bound at the cost model's efficiency."""
+        return self.best.samples_per_s / self.efficiency_bound_samples_per_s
+
     def to_json(self) -> dict[str, Any]:
-        vs_col = self.vs(self.colocated)
         return {
             "workload": self.workload,
             "cluster": self.cluster,
             "gpus": self.world_size,
             "global_batch": self.global_batch,
             "plan": self.best.to_json(),
-            "colocated_sequential": self.colocated.to_json() if self.colocated else None,
+            "colocated": self.colocated.to_json() if self.colocated else None,
+            "colocated_sequential": self.sequential.to_json() if self.sequential else None,
             "uniform_split": self.uniform.to_json() if self.uniform else None,
             "lower_bound_samples_per_s": self.lower_bound_samples_per_s,
-            "vs_colocated": vs_col,
+            "efficiency_bound_samples_per_s": self.efficiency_bound_samples_per_s,
+            "vs_colocated": self.vs(self.colocated),
+            "vs_colocated_sequential": self.vs(self.sequential),
             "vs_uniform": self.vs(self.uniform),
-            "vs_lower_bound": self.best.samples_per_s / self.lower_bound_samples_per_s,
+            "vs_lower_bound": self.vs_lower_bound,
+            "vs_efficiency_bound": self.vs_efficiency_bound,
+            "mfu": self.best.mfu,
             "fits_memory": self.best.fits_memory,
             "plan_seconds": self.plan_seconds,
         }
@@ -165,31 +190,61 @@ class PlanReport:
         lines.append("")
         lines.append("per-rank schedule: " + _schedule_summary(cand))
         lines.append("")
-        header = f"{'':<22} {'samples/s':>10} {'tokens/s':>12} {'step s':>9} {'MFU':>6} {'bubble':>7} {'fits':>5}"
-        lines.append(header)
-        for label, r in (
+        width = max([22] + [len(r.candidate.name) for r in (self.colocated,) if r is not None])
+        lines.append(
+            f"{'':<{width}} {'samples/s':>10} {'tokens/s':>12} {'step s':>9} {'MFU':>6} {'bubble':>7} {'fits':>5}"
+        )
+        rows = (
             ("mmpipe plan", best),
-            ("colocated-sequential", self.colocated),
+            (self.colocated.candidate.name if self.colocated else "colocated (FSDP + SP)", self.colocated),
+            ("colocated-sequential", self.sequential),
             ("uniform split", self.uniform),
-        ):
+        )
+        for label, r in rows:
             if r is None:
-                lines.append(f"{label:<22} {'(no feasible configuration)':>40}")
+                lines.append(f"{label:<{width}} {'(no feasible configuration)':>40}")
                 continue
             lines.append(
-                f"{label:<22} {r.samples_per_s:>10.3f} {r.tokens_per_s:>12.4g} {r.step_time:>9.2f} "
+                f"{label:<{width}} {r.samples_per_s:>10.3f} {r.tokens_per_s:>12.4g} {r.step_time:>9.2f} "
                 f"{r.mfu:>6.1%} {r.bubble:>7.1%} {'yes' if r.fits_memory else 'NO':>5}"
             )
-        lines.append(f"{'lower bound':<22} {self.lower_bound_samples_per_s:>10.3f}")
+        lines.append(f"{'lower bound (peak)':<{width}} {self.lower_bound_samples_per_s:>10.3f}")
+        lines.append(f"{'efficiency bound':<{width}} {self.efficiency_bound_samples_per_s:>10.3f}")
         if not best.simulated:
             lines.append("(step time from the analytic model: the reduced plan is too large to simulate)")
-        vs_col = self.vs(self.colocated)
+        if self.colocated is not None:
+            lines.append(f"baseline layout: {describe(self.colocated.candidate)}")
         lines.append("")
         lines.append(
-            f"plan vs colocated-sequential: {f'x{vs_col:.2f}' if vs_col else 'n/a'}; "
-            f"vs lower bound: x{best.samples_per_s / self.lower_bound_samples_per_s:.2f}; "
-            f"planned in {self.plan_seconds:.2f} s"
+            f"plan vs colocated (FSDP + SP): {_ratio(self.vs(self.colocated))}; "
+            f"vs colocated-sequential: {_ratio(self.vs(self.sequential))}; "
+            f"MFU (= vs lower bound): {self.vs_lower_bound:.1%}; "
+            f"vs efficiency bound: x{self.vs_efficiency_bound:.2f}; planned in {self.plan_seconds:.2f} s"
         )
         return "\n".join(lines)
+
+
+def _ratio(x: float | None) -> str:
+    return f"x{x:.2f}" if x else "n/a"
+
+
+def describe(cand: Candidate) -> str:
+    """One line of ``cand``'s layout: micro-batching, and each stage's ranks, split and memory policy."""
+    parts = []
+    for s, c in cand.configs.items():
+        split = (
+            f"dp={c.dp}"
+            + (f" ulysses={c.ulysses}" if c.ulysses > 1 else "")
+            + (f" ring={c.ring}" if c.ring > 1 else "")
+        )
+        if c.dp > cand.micro_batch:
+            split += " (turns)"
+        policy = (f" recompute={c.recompute:.2f}" if c.recompute else "") + (
+            f" offload={c.offload:.2f}" if c.offload else ""
+        )
+        where = "" if cand.layout == "colocated" else f"ranks {format_ranks(cand.ranks[s], max_runs=2)} "
+        parts.append(f"{s} {where}{split}{policy}{' gather-once' if c.gather_once else ''}")
+    return f"{cand.layout}, {cand.micro_batches} x {cand.micro_batch} samples: " + "; ".join(parts)
 
 
 def _schedule_summary(cand: Candidate) -> str:
@@ -221,22 +276,37 @@ def _schedule_summary(cand: Candidate) -> str:
 
 
 def summarize(reports: Sequence[PlanReport]) -> list[dict[str, Any]]:
-    """The benchmark's per-(workload, cluster) entries."""
+    """The benchmark's per-(workload, cluster) entries: ratios against the colocated (FSDP + SP)
+    baseline and the peak-FLOP/s lower bound (equal to the MFU), the context baselines' ratios, and
+    one-line layouts of the plan and the baseline."""
     out = []
     for r in reports:
+        base = r.colocated
         out.append(
             {
                 "workload": r.workload,
                 "cluster": r.cluster,
                 "gpus": r.world_size,
-                "vs_colocated": r.vs(r.colocated),
+                "vs_colocated": r.vs(base),
+                "vs_colocated_sequential": r.vs(r.sequential),
                 "vs_uniform": r.vs(r.uniform),
-                "vs_lower_bound": r.best.samples_per_s / r.lower_bound_samples_per_s,
+                "vs_lower_bound": r.vs_lower_bound,
+                "vs_efficiency_bound": r.vs_efficiency_bound,
+                "mfu": r.best.mfu,
                 "plan_seconds": r.plan_seconds,
                 "fits_memory": r.best.fits_memory,
                 "samples_per_s": r.best.samples_per_s,
-                "mfu": r.best.mfu,
                 "layout": r.best.candidate.layout,
+                "plan": describe(r.best.candidate),
+                "baseline": None
+                if base is None
+                else {
+                    "name": base.candidate.name,
+                    "layout": describe(base.candidate),
+                    "samples_per_s": base.samples_per_s,
+                    "mfu": base.mfu,
+                    "fits_memory": base.fits_memory,
+                },
             }
         )
     return out
