@@ -6,7 +6,8 @@ weighs) and ``benchmarks/memory.py``. Callers describe a stage's repeated blocks
 :class:`BlockPricing` (from the cost model's :class:`~mmpipe.sched.cost.StageCost`, measured on the
 meta device): per micro-batch, what a block saves and what recomputing or offloading it costs.
 Under 1F1B a rank holds the activations of several micro-batches at once, so the resident estimate is
-``inflight x`` one micro-batch's. Per block and micro-batch:
+``inflight x`` one micro-batch's, plus the block the backward is working on (its saved bytes,
+rematerialised or read back when they did not stay). Per block and micro-batch:
 
 - keep: its saved bytes stay;
 - recompute: only its input stays; the backward pays its forward again;
@@ -93,11 +94,14 @@ class BlockPricing:
         )
 
     def resident(self, recompute: int, offload: int, *, inflight: int, fixed_bytes: float = 0) -> float:
-        """Saved-activation bytes a rank holds with ``recompute`` / ``offload`` of the blocks (plus
-        ``fixed_bytes``: weights, optimizer state, whatever else the rank keeps)."""
+        """Saved-activation bytes a rank holds at most with ``recompute`` / ``offload`` of the blocks
+        (plus ``fixed_bytes``: weights, optimizer state, whatever else the rank keeps): what stays
+        between forward and backward for every micro-batch in flight, and the backward's working
+        block: one block's saved bytes, produced again when it was recomputed or read back when it
+        was offloaded (the cost model's ``transient``, ``mmpipe.sched.analytic``)."""
         kept = self.blocks - recompute - offload
         one = self.outside_bytes + kept * self.block_bytes + recompute * self.input_bytes
-        return inflight * one + fixed_bytes
+        return inflight * one + self.block_bytes + fixed_bytes
 
     def resident_bytes(self, recompute: int, offload: int, *, inflight: int, fixed_bytes: float = 0) -> int:
         """:meth:`resident`, rounded up to whole bytes."""

@@ -282,7 +282,7 @@ class Planner:
             ),
             recompute_s=(full.time - keep.time) / c.blocks,  # its communication (all-to-alls, gathers) too
         )
-        fixed = keep.memory - keep.inflight * pricing.resident_bytes(0, 0, inflight=1)  # all but the managed
+        fixed = keep.memory - pricing.resident_bytes(0, 0, inflight=keep.inflight)  # all but the managed
         try:
             choice = choose_policies(pricing, budget_bytes=self.model.budget, inflight=keep.inflight, fixed_bytes=fixed)
         except ValueError:
