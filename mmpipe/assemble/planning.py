@@ -127,6 +127,15 @@ def default_calibration_path(device: str = "cpu") -> Path:
     return root / f"calibration-{device}.json"
 
 
+def uncalibrated_stages(graph: Graph, path: Path) -> list[str]:
+    """The stages of ``graph`` the calibration file at ``path`` has no entry for: all of them when
+    there is no file. A file that is not a calibration is an error naming it (never overwritten)."""
+    if not path.is_file():
+        return graph.topological_order()
+    stages = Calibration.load(path).stages
+    return [s for s in graph.topological_order() if s not in stages]
+
+
 def report_json(graph: Graph, report: PlanReport) -> dict[str, Any]:
     """``mmpipe plan --json``: the report plus the chosen placement in config form, which
     ``mmpipe train placement=FILE`` (the output saved to a file) runs unchanged."""

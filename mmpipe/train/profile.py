@@ -4,17 +4,24 @@ It runs every stage of a (tiny, real) training graph here, forward and, for stag
 path, backward, and stores the achieved fraction of the device's peak FLOP/s per stage and
 direction in a calibration file; ``plan`` (and the planner's cost model) then prices those stages
 with the measured efficiency instead of the cluster's default.
+
+``python -m mmpipe.train.profile '{"model": ..., "data": ..., "out": PATH}'`` is what
+``placement=auto`` runs (:func:`mmpipe.train.prepare.calibrate_first`) when this machine has no
+calibration for the model: the same runs with ``mmpipe profile``'s defaults, merged into the file.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 
 from mmpipe.assemble.graphs import planning_graph
-from mmpipe.config import DataConfig, LaunchConfig, ModelConfig, RunConfig, TrainConfig
+from mmpipe.config import DataConfig, LaunchConfig, ModelConfig, ProfileConfig, RunConfig, TrainConfig, from_dict
 from mmpipe.devices import DeviceType, resolve_device
 from mmpipe.runtime.events import read_events
 from mmpipe.runtime.probe import probe_transport
@@ -113,3 +120,63 @@ def profile(
     if probe and not cuda:
         transport = probe_transport()
     return Calibration(cluster.device, cluster.peak_flops, stages, statistics.median(overheads), **transport)
+
+
+TRANSPORT = ("latency_s", "bandwidth", "collective_latency_s", "collective_bandwidth")
+
+
+def merged(old: Calibration, new: Calibration) -> Calibration:
+    """``old`` with the stages only ``new`` has added (another model's stages on the same machine);
+    what ``old`` measured stays, and so do its per-step overhead and transport figures."""
+    missing = {k: getattr(new, k) for k in TRANSPORT if getattr(old, k) is None}
+    return dataclasses.replace(old, stages={**new.stages, **old.stages}, **missing)
+
+
+def save_atomic(cal: Calibration, path: Path) -> Path:
+    """Write ``cal`` to ``path`` through a temporary file in the same folder: a reader sees the old
+    file or the whole new one, never a half-written one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        cal.save(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def calibrate_into(model: ModelConfig, data: DataConfig, path: Path) -> Calibration:
+    """Calibrate ``model`` on this machine's CPU with ``mmpipe profile``'s defaults and merge it into
+    the calibration file at ``path`` (created if missing; its stages are kept), atomically."""
+    d = ProfileConfig()
+    cal = profile(
+        model,
+        data,
+        micro_sizes=(d.micro_size, 2 * d.micro_size),
+        micro_batches=d.micro_batches,
+        steps=d.steps,
+        warmup=d.warmup,
+        threads=d.threads,
+        device="cpu",  # placement=auto plans CPU ranks (Cluster.local), priced by calibration-cpu.json
+    )
+    if path.is_file():
+        cal = merged(Calibration.load(path), cal)
+    save_atomic(cal, path)
+    return cal
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m mmpipe.train.profile JSON``: :func:`calibrate_into` for the model, data and output
+    path a JSON object gives (``{"model": {...}, "data": {...}, "out": PATH}``, config form)."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        raise SystemExit('usage: python -m mmpipe.train.profile \'{"model": {...}, "data": {...}, "out": PATH}\'')
+    raw = json.loads(args[0])
+    model = from_dict(ModelConfig, raw["model"], "model.")
+    data = from_dict(DataConfig, raw["data"], "data.")
+    calibrate_into(model, data, Path(raw["out"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""``placement=auto`` on a machine with no calibration for the model calibrates first (once, cached in
+``$MMPIPE_CACHE``), before the run directory is written; bad input still fails before any of it.
+
+The calibration itself (``mmpipe profile``'s runs in a child process) is replaced here by a spy that
+writes a calibration and counts its calls; ``tests/e2e/test_auto_calibrates_for_real.py`` runs the real one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mmpipe.config import DataConfig, LaunchConfig, ModelConfig, RunConfig, TrainConfig
+from mmpipe.errors import WorkerFailure
+from mmpipe.sched.calibration import Calibration
+from mmpipe.sched.cluster import Cluster
+from mmpipe.train import prepare
+from mmpipe.train.profile import merged, save_atomic
+
+U2G = ModelConfig(name="u2g_tiny", kind="u2g", text_encoder="qwen2")
+T2V_STAGES = ("text", "vae", "dit")
+U2G_STAGES = ("vision", "llm", "connector", "vae", "dit")
+
+
+def auto_config(run_dir: Path, model: ModelConfig | None = None) -> RunConfig:
+    return RunConfig(
+        run_dir=str(run_dir),
+        model=model or ModelConfig(),
+        data=DataConfig(frames=9, height=32, width=32, val_samples=4),
+        train=TrainConfig(steps=2, batch_size=4, micro_batches=2, progress=False),
+        launch=LaunchConfig(nproc=2),
+        placement="auto",
+    )
+
+
+def calibration(stages: tuple[str, ...], latency: float | None = 1e-4) -> Calibration:
+    entry = {"forward": 0.2, "backward": 0.2, "forward_overhead_s": 1e-3, "backward_overhead_s": 1e-3}
+    return Calibration("cpu", Cluster.local(1).peak_flops, {s: dict(entry) for s in stages}, 0.01, latency, 1e9)
+
+
+class Spy:
+    """Stands in for ``prepare.run_calibration``: merges a calibration of ``stages`` into the file and
+    counts its calls."""
+
+    def __init__(self, stages: tuple[str, ...] = T2V_STAGES, fail: bool = False) -> None:
+        self.stages, self.fail, self.calls = stages, fail, 0
+
+    def __call__(self, model: ModelConfig, data: DataConfig, path: Path) -> None:
+        self.calls += 1
+        if self.fail:
+            raise WorkerFailure("placement=auto: calibrating 't2v_tiny' on this machine failed (exit code 1)")
+        cal = calibration(self.stages)
+        save_atomic(merged(Calibration.load(path), cal) if path.is_file() else cal, path)  # as calibrate_into does
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("MMPIPE_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "calibration-cpu.json"
+
+
+def test_auto_calibrates_once_then_plans_from_the_cached_file(
+    tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spy = Spy()
+    monkeypatch.setattr(prepare, "run_calibration", spy)
+    run_dir, _, cfg = prepare.prepare_run(auto_config(tmp_path / "a"))
+    assert spy.calls == 1 and cache.is_file()
+    line = f"placement=auto: no calibration for t2v_tiny on this machine; calibrating (mmpipe profile) -> {cache}"
+    assert capsys.readouterr().out.splitlines() == [line]
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())["placement"]
+    assert isinstance(cfg.placement, dict) and saved == cfg.placement and set(saved) == set(T2V_STAGES)
+
+    prepare.prepare_run(auto_config(tmp_path / "b"))  # the next run reuses the cached calibration
+    assert spy.calls == 1 and "calibrating" not in capsys.readouterr().out
+
+
+def test_a_calibration_without_the_models_stages_is_made_for_it(
+    tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calibration(T2V_STAGES).save(cache)  # `mmpipe profile` of the default model only
+    spy = Spy(U2G_STAGES)
+    monkeypatch.setattr(prepare, "run_calibration", spy)
+    prepare.prepare_run(auto_config(tmp_path / "u2g", U2G))
+    assert spy.calls == 1
+    prepare.prepare_run(auto_config(tmp_path / "t2v"))  # still covered
+    assert spy.calls == 1
+
+
+def test_a_failed_calibration_leaves_no_run_directory_and_no_file(
+    tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(prepare, "run_calibration", Spy(fail=True))
+    with pytest.raises(WorkerFailure, match="calibrating 't2v_tiny'"):
+        prepare.prepare_run(auto_config(tmp_path / "run"))
+    assert not (tmp_path / "run").exists() and not cache.exists()
+
+
+def test_a_file_that_is_no_calibration_fails_before_calibrating(
+    tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache.parent.mkdir(parents=True)
+    cache.write_text("{not json")
+    spy = Spy()
+    monkeypatch.setattr(prepare, "run_calibration", spy)
+    with pytest.raises(ValueError, match="is not a calibration file written by `mmpipe profile`"):
+        prepare.prepare_run(auto_config(tmp_path / "run"))
+    assert spy.calls == 0 and not (tmp_path / "run").exists()
+    assert cache.read_text() == "{not json"  # the user's file is never overwritten
+
+
+def test_a_placement_given_in_full_never_calibrates(
+    tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spy = Spy()
+    monkeypatch.setattr(prepare, "run_calibration", spy)
+    cfg = auto_config(tmp_path / "run")
+    cfg.placement = {"text": [0], "vae": [0], "dit": [1]}
+    prepare.prepare_run(cfg)
+    assert spy.calls == 0 and not cache.exists()
+
+
+def test_merging_keeps_what_was_measured_and_adds_the_new_stages() -> None:
+    old = calibration(T2V_STAGES, latency=None)
+    new = Calibration("cpu", old.peak_flops, {s: {"forward": 0.5} for s in U2G_STAGES}, 0.5, 2e-4, 5e8)
+    out = merged(old, new)
+    assert set(out.stages) == set(T2V_STAGES) | set(U2G_STAGES)
+    assert out.stages["dit"] == old.stages["dit"] and out.stages["llm"] == {"forward": 0.5}
+    assert out.step_overhead_s == old.step_overhead_s and out.bandwidth == old.bandwidth
+    assert out.latency_s == 2e-4  # what the old file lacked
