@@ -256,7 +256,11 @@ def pricing(setup: Setup, frames: int) -> BlockPricing:
     # On a GPU the copies overlap the blocks' forward and backward (3x the forward's FLOPs)
     hidden = 3 * cost.block_flops / setup.flops_per_s if setup.overlap else 0.0
     return BlockPricing.from_cost(
-        cost, flops_per_s=setup.flops_per_s, offload_bytes_per_s=setup.offload_bytes_per_s, hidden_s=hidden
+        cost,
+        flops_per_s=setup.flops_per_s,
+        offload_bytes_per_s=setup.offload_bytes_per_s,
+        hidden_s=hidden,
+        pending_blocks=0 if setup.cuda else 1,  # the file tier writes one block at a time
     )
 
 

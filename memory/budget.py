@@ -56,7 +56,9 @@ class BlockPricing:
     """A stage's repeated blocks on one rank, per micro-batch: bytes each saves (``block_bytes``),
     its input (what recomputing it keeps), the saved bytes outside the blocks, and the seconds a
     block's recomputation and offload (out and back) add; ``hidden_s``: compute the tier's copies
-    overlap with; ``tier_bytes``: what the tier holds at most (all micro-batches in flight)."""
+    overlap with; ``tier_bytes``: what the tier holds at most (all micro-batches in flight);
+    ``pending_blocks``: offloaded blocks whose saved bytes may still be in memory at once, waiting
+    for the tier (the file tier: the block being written, see ``FileTier.block_at_a_time``)."""
 
     blocks: int
     block_bytes: float
@@ -66,6 +68,7 @@ class BlockPricing:
     offload_s: float
     hidden_s: float = 0.0
     tier_bytes: float = math.inf
+    pending_blocks: int = 0
 
     @classmethod
     def from_cost(
@@ -77,6 +80,7 @@ class BlockPricing:
         offload_bytes_per_s: float,
         hidden_s: float = 0.0,
         tier_bytes: float = math.inf,
+        pending_blocks: int = 0,
     ) -> BlockPricing:
         """From one sample's cost: ``rows`` samples' worth on the rank (a micro-batch's samples over
         its data-parallel and sequence-parallel split)."""
@@ -91,6 +95,7 @@ class BlockPricing:
             offload_s=2 * block_bytes / offload_bytes_per_s,
             hidden_s=hidden_s,
             tier_bytes=tier_bytes,
+            pending_blocks=pending_blocks,
         )
 
     def resident(self, recompute: int, offload: int, *, inflight: int, fixed_bytes: float = 0) -> float:
@@ -98,10 +103,12 @@ class BlockPricing:
         (plus ``fixed_bytes``: weights, optimizer state, whatever else the rank keeps): what stays
         between forward and backward for every micro-batch in flight, and the backward's working
         block: one block's saved bytes, produced again when it was recomputed or read back when it
-        was offloaded (the cost model's ``transient``, ``mmpipe.sched.analytic``)."""
+        was offloaded (the cost model's ``transient``, ``mmpipe.sched.analytic``), and the offloaded
+        blocks still waiting for the tier (``pending_blocks``)."""
         kept = self.blocks - recompute - offload
         one = self.outside_bytes + kept * self.block_bytes + recompute * self.input_bytes
-        return inflight * one + self.block_bytes + fixed_bytes
+        pending = min(offload, self.pending_blocks) * self.block_bytes
+        return inflight * one + self.block_bytes + pending + fixed_bytes
 
     def resident_bytes(self, recompute: int, offload: int, *, inflight: int, fixed_bytes: float = 0) -> int:
         """:meth:`resident`, rounded up to whole bytes."""

@@ -128,13 +128,21 @@ class FileTier(Tier):
     TRIM_BYTES = 64 << 20
 
     def __init__(
-        self, directory: str | Path | None = None, *, max_pending_bytes: int = 256 << 20, batch_bytes: int = 8 << 20
+        self,
+        directory: str | Path | None = None,
+        *,
+        max_pending_bytes: int = 256 << 20,
+        batch_bytes: int = 8 << 20,
+        block_at_a_time: bool = True,
     ) -> None:
         self._own = directory is None
         self.directory = Path(tempfile.mkdtemp(prefix="mmpipe-spill-") if directory is None else directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.max_pending_bytes = max_pending_bytes
         self.batch_bytes = batch_bytes
+        # an offloaded block's forward starts once the blocks before it are written: at most one
+        # block's tensors wait in memory (what the activation budget counts), not max_pending_bytes
+        self.block_at_a_time = block_at_a_time
         self.stats = TierStats()
         path = self.directory / f"{os.getpid()}-{id(self):x}.spill"
         self._fd: int | None = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -153,6 +161,11 @@ class FileTier(Tier):
         self._error: OSError | None = None  # the writer's, raised by the next pack or flush
 
     # -- the forward's side --------------------------------------------------------------------------
+    def open_scope(self, block: int | None) -> _BlockScope:
+        if self.block_at_a_time:
+            self.flush()
+        return super().open_scope(block)
+
     def pack(self, t: torch.Tensor) -> _Spilled:
         """Hand ``t`` to the writer; returns the handle :meth:`unpack` takes (its region goes with it)."""
         if self._fd is None:

@@ -234,6 +234,8 @@ class CostModel:
             kept = (1 - recompute) * (1 - offload) * c.block_activation_bytes + recompute * c.block_input_bytes
             per_mb = n / sp * (c.activation_bytes - c.block_activation_bytes + kept)
             transient = n / sp * c.block_activation_bytes / max(c.blocks, 1)
+            if offload and recompute < 1 and not self.cluster.offload_overlap:  # the file tier: one block at a time
+                transient *= 2
             acts = inflight * per_mb + transient
         else:
             acts = 4 * n * max(c.output_bytes, c.block_input_bytes / max(c.blocks, 1)) / sp

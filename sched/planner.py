@@ -279,6 +279,7 @@ class Planner:
                 offload_bytes_per_s=self.cluster.host_bandwidth,
                 hidden_s=keep.time if self.cluster.offload_overlap else 0.0,
                 tier_bytes=self.cluster.host_memory_bytes,
+                pending_blocks=0 if self.cluster.offload_overlap else 1,  # a blocking tier: the file tier
             ),
             recompute_s=(full.time - keep.time) / c.blocks,  # its communication (all-to-alls, gathers) too
         )

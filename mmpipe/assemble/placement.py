@@ -208,6 +208,7 @@ def auto_memory(
         flops_per_s=cluster.peak_flops * cluster.efficiency,
         # CPU: the file tier, whose reads block the backward; CUDA: pinned host memory over PCIe
         offload_bytes_per_s=cluster.host_bandwidth if cuda else FILE_TIER_BYTES_PER_S,
+        pending_blocks=0 if cuda else 1,  # the file tier writes one block at a time
     )
     fixed = 16 * per_sample.params // len(group.ranks) if stage in plan.trainable else 0
     try:

@@ -192,3 +192,13 @@ def test_cuda_peaks_by_architecture() -> None:
 
     assert cuda_peak_flops(9, 0) == 989e12  # H100 / H200 dense bf16
     assert cuda_peak_flops(7, 5) == 100e12  # unknown: nominal
+
+
+def test_a_tier_that_writes_one_block_at_a_time_holds_one_more_block() -> None:
+    """The file tier keeps the block being written in memory: offloading counts it once."""
+    plain, filed = _pricing(1e6), _pricing(1e6, pending_blocks=1)
+    assert filed.resident_bytes(0, 0, inflight=2) == plain.resident_bytes(0, 0, inflight=2)
+    assert filed.resident_bytes(0, 3, inflight=2) == plain.resident_bytes(0, 3, inflight=2) + 100
+    # so the same budget takes one more offloaded block (or a recomputed one) with the file tier
+    a, b = (choose_policies(p, budget_bytes=700, inflight=1) for p in (plain, filed))
+    assert b.recompute + b.offload == a.recompute + a.offload + 1 and b.resident_bytes <= 700

@@ -177,3 +177,29 @@ def test_the_writer_hands_freed_memory_back_every_trim_bytes(monkeypatch: pytest
     assert len(calls) == 2  # after the 4th and the 8th tensor (1 MiB each time)
     assert all(torch.equal(tier.unpack(h), torch.zeros(64 << 10)) for h in handles)
     tier.close()
+
+
+def test_an_offloaded_block_starts_once_the_blocks_before_it_are_written(held_writer: threading.Event) -> None:
+    """``block_at_a_time`` (the default): at most one block's tensors wait in memory for the writer
+    (what the activation budget counts), however much ``max_pending_bytes`` would allow; without it
+    the next block starts at once."""
+    free = FileTier(block_at_a_time=False)
+    free.open_scope(0)
+    free.pack(torch.randn(64, 64))
+    free.submit()
+    free.open_scope(1)  # returns although the writer is held
+    assert free._pending > 0
+    tier = FileTier()
+    tier.open_scope(0)
+    tier.pack(torch.randn(64, 64))
+    tier.submit()  # the block's end
+    opened = threading.Event()
+    thread = threading.Thread(target=lambda: (tier.open_scope(1), opened.set()))
+    thread.start()
+    assert not opened.wait(0.3), "block 1 started while block 0's tensors were still in memory"
+    held_writer.set()
+    assert opened.wait(10)
+    thread.join()
+    assert tier._pending == 0
+    free.close()
+    tier.close()

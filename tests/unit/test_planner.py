@@ -711,7 +711,12 @@ def test_the_search_matches_exhaustive_enumeration(case: str) -> None:
 
 
 def test_the_exhaustive_check_fails_a_crippled_search(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With the search's micro-batch sizes cut to one (the whole batch at once), the check fails."""
+    """With the search's micro-batch sizes cut to one (the whole batch at once), the check fails: a
+    worse plan, or none at all where the enumeration finds one (the uncrippled case passes above)."""
     monkeypatch.setattr(Planner, "_micro_batch_sizes", lambda self: [self.w.global_batch])
-    got, best, _ = exhaustive_check("t2v-4-tight")
+    try:
+        got, best, _ = exhaustive_check("t2v-4-tight")
+    except ValueError as err:
+        assert "no configuration of" in str(err)
+        return
     assert got < 0.98 * best
