@@ -12,7 +12,8 @@ A plan is plain, frozen data with a text form that round-trips (``Plan.to_text``
     dit:STEP               clip gradients and step dit's optimizer
 
 ``Plan.validate`` checks ranks, placement, send/receive pairing and dependencies by a dry run of
-all action lists (a send never blocks, a receive waits for its send); a failure raises
+all action lists (a send never blocks, a receive waits for its send, an action that runs a
+collective waits for every rank of its group to reach it: see :func:`collective_ranks`); a failure raises
 :class:`PlanError` whose message is the rank x step table with ``<-- ERROR HERE`` at the action
 that could not run.
 """
@@ -397,8 +398,29 @@ def transfer_key(rank: int, a: Action) -> tuple:
     return ("G" if grad else "A", a.stage, a.dst, a.mb, src, dst)
 
 
+def collective_ranks(plan: Plan, rank: int, a: Action) -> tuple[int, ...] | None:
+    """The ranks that join the collective ``a`` runs on ``rank``, or ``None`` when it runs none.
+
+    A trainable stage on more than one rank is FSDP-sharded over its whole group: its forward and
+    backward gather parameters and its last backward reduce-scatters gradients, its STEP reduces
+    the gradient norm. A sequence-parallel stage's forward and backward exchange activations
+    (all-to-all, ring) among the ranks of one replica. These collectives block (gloo) and match
+    by order within their process group, so every rank of the group must run them in the same
+    order, and two groups sharing ranks must not wait on each other."""
+    group = plan.groups[a.stage]
+    if a.kind not in (ActionKind.F, ActionKind.B, ActionKind.STEP) or len(group.ranks) == 1:
+        return None
+    if a.stage in plan.trainable:
+        return group.ranks
+    if group.sp > 1 and a.kind != ActionKind.STEP:
+        i = group.replica(rank) * group.sp
+        return group.ranks[i : i + group.sp]
+    return None
+
+
 def _dry_run(plan: Plan) -> None:
-    """Execute all lists symbolically: sends are buffered, receives wait; report the first stall."""
+    """Execute all lists symbolically: sends are buffered, receives wait for their send, collectives
+    wait for every rank of their group (a rendezvous); report the first stall."""
     sends = Counter(transfer_key(r, a) for r, acts in enumerate(plan.actions) for a in acts if a.kind in SENDS)
     recvs = Counter(transfer_key(r, a) for r, acts in enumerate(plan.actions) for a in acts if a.kind in RECVS)
     for key in (sends - recvs) + (recvs - sends):
@@ -409,12 +431,24 @@ def _dry_run(plan: Plan) -> None:
     # A rank runs until an action is not ready. Only a receive can become ready later (when its
     # message is sent): the rank waits on that message and is woken by its send.
     waiting: dict[tuple, int] = {}
+    arrived: dict[tuple, set[int]] = {}  # collectives some of whose ranks wait in them
+    met: set[tuple] = set()  # collectives every rank of the group reached
     ready = list(range(plan.world_size))
     while ready:
         rank = ready.pop()
         acts = plan.actions[rank]
         while pos[rank] < len(acts) and _ready(plan, rank, acts[pos[rank]], sent, done[rank]):
             a = acts[pos[rank]]
+            ranks = collective_ranks(plan, rank, a)
+            if ranks is not None:
+                key = (a.stage, a.kind, a.mb, ranks)
+                if key not in met:
+                    here = arrived.setdefault(key, set())
+                    here.add(rank)
+                    if len(here) < len(ranks):
+                        break  # wait for the rest of the group
+                    met.add(key)
+                    ready.extend(r for r in arrived.pop(key) if r != rank)
             if a.kind in SENDS:
                 key = transfer_key(rank, a)
                 sent.add(key)
@@ -426,7 +460,12 @@ def _dry_run(plan: Plan) -> None:
             waiting[transfer_key(rank, acts[pos[rank]])] = rank
     stuck = {r: p for r, p in enumerate(pos) if p < len(plan.actions[r])}
     if stuck:
-        detail = "; ".join(f"rank {r} waits at {plan.actions[r][p]}" for r, p in stuck.items())
+        detail = "; ".join(
+            f"rank {r} waits at {a}" + (f" (a collective over ranks {list(ranks)})" if ranks else "")
+            for r, p in stuck.items()
+            for a in [plan.actions[r][p]]
+            for ranks in [collective_ranks(plan, r, a)]
+        )
         raise PlanError(f"deadlock or unmet dependency: {detail}\n{plan.format_table(stuck)}")
 
 

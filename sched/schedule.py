@@ -170,4 +170,21 @@ def _rank_depths(plan: Plan, world_size: int) -> dict[int, int]:
     depth: dict[int, int] = {}
     for r in reversed(list(nx.topological_sort(g))):
         depth[r] = max((depth[q] + 1 for q in g.successors(r)), default=0)
+    # Ranks of one collective group (an FSDP-sharded or sequence-parallel stage on the backward
+    # path) must run its forwards and backwards in the same order (its collectives match by
+    # order), so they take the same depth, the deepest of them. A rank then stays at least as deep
+    # as the ranks it sends to (one hop deeper is what keeps 1F1B's pipeline full; as deep is what
+    # keeps it free of deadlock). Depths only grow, bounded by the deepest, so this ends.
+    synced = [grp.ranks for stage, grp in plan.placement if stage in plan.backward and len(grp.ranks) > 1]
+    changed = bool(synced)
+    while changed:
+        changed = False
+        for ranks in synced:
+            deepest = max(depth[r] for r in ranks)
+            for r in ranks:
+                if depth[r] < deepest:
+                    depth[r], changed = deepest, True
+        for a, b in g.edges:
+            if depth[a] < depth[b]:
+                depth[a], changed = depth[b], True
     return depth

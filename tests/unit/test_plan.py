@@ -9,7 +9,15 @@ import pytest
 from toy_graphs import FANOUT, T2V, U2G, G
 
 from mmpipe.errors import PlanError
-from mmpipe.sched.plan import Action, ActionKind, DeviceGroup, Plan, overlapping_ranks, send_window
+from mmpipe.sched.plan import (
+    Action,
+    ActionKind,
+    DeviceGroup,
+    Plan,
+    collective_ranks,
+    overlapping_ranks,
+    send_window,
+)
 from mmpipe.sched.results import parse_placement
 from mmpipe.sched.schedule import ScheduleKind, build_plan
 
@@ -20,6 +28,8 @@ PLACEMENTS = [
     (T2V, {"text": [0], "vae": [0], "dit": {"ranks": [1, 2], "dp": 2}}, 3),
     (U2G, {"vit": [0], "llm": [1], "connector": [1], "dit": [2]}, 3),
     (U2G, {"vit": [0], "llm": {"ranks": [1, 2], "dp": 2}, "connector": [3], "dit": [3]}, 4),
+    (U2G, {"vit": [0], "llm": {"ranks": [0, 1], "dp": 2}, "connector": {"ranks": [0, 1], "dp": 2}, "dit": [1]}, 2),
+    (T2V, {"text": [0], "vae": [0], "dit": {"ranks": [0, 1], "ulysses": 2}}, 2),
     (FANOUT, {"enc": [0], "a": [1], "b": [2]}, 3),
 ]
 
@@ -95,6 +105,53 @@ def test_deadlock_is_reported_with_the_table() -> None:
     assert "<-- ERROR HERE (rank 1)" in text and "step | rank 0" in text
     flagged = next(line for line in text.splitlines() if "ERROR HERE" in line)
     assert "dit:B:mb0" in flagged
+
+
+def _collectives(plan: Plan, rank: int, ranks: tuple[int, ...]) -> list[Action]:
+    return [a for a in plan.actions[rank] if collective_ranks(plan, rank, a) == ranks]
+
+
+@pytest.mark.parametrize("schedule", list(ScheduleKind))
+@pytest.mark.parametrize("micro", [1, 2, 4, 5])
+def test_ranks_sharing_collectives_run_them_in_one_order(schedule: ScheduleKind, micro: int) -> None:
+    """The LLM and the connector FSDP-sharded over ranks 0 and 1, the DiT on rank 1 only: rank 0 is
+    a hop deeper for 1F1B, yet both ranks must gather and reduce in the same order."""
+    dp = {"ranks": [0, 1], "dp": 2}
+    placement = parse_placement({"vit": [0], "llm": dp, "connector": dp, "dit": [1]})
+    plan = build_plan(U2G, placement, micro, world_size=2, schedule=schedule)
+    assert _collectives(plan, 0, (0, 1)) == _collectives(plan, 1, (0, 1))
+    assert len(_collectives(plan, 0, (0, 1))) == 2 * (2 * micro + 1)  # F and B per micro-batch, STEP
+    if schedule == ScheduleKind.ONE_F_ONE_B and micro > 2:  # still 1F1B: not every forward first
+        kinds = [a.kind for a in _collectives(plan, 1, (0, 1)) if a.stage == "llm"]
+        assert kinds.index(ActionKind.B) < micro
+
+
+def test_collectives_out_of_order_are_a_deadlock() -> None:
+    """Rank 1 gathers the connector before the LLM while rank 0 gathers the LLM first: both block in
+    a collective the other never joins (with gloo, a crash or a hang at run time)."""
+    dp = {"ranks": [0, 1], "dp": 2}
+    plan = build_plan(U2G, parse_placement({"vit": [0], "llm": dp, "connector": dp, "dit": [1]}), 2, world_size=2)
+    acts = list(plan.actions[1])
+    i, j = acts.index(Action("llm", ActionKind.B, 0)), acts.index(Action("connector", ActionKind.B, 0))
+    acts[i], acts[j] = acts[j], acts[i]
+    with pytest.raises(PlanError) as err:
+        _with_rank_actions(plan, 1, acts).validate()
+    text = str(err.value)
+    assert "rank 0 waits at connector:B:mb0 (a collective over ranks [0, 1])" in text
+    assert "rank 1 waits at llm:B:mb0 (a collective over ranks [0, 1])" in text
+    # a forward-only stage on one rank, and a frozen replica, run no collective
+    assert collective_ranks(plan, 0, Action("vit", ActionKind.F, 0)) is None
+    frozen = build_plan(
+        T2V, parse_placement({"text": [0], "vae": {"ranks": [0, 1], "dp": 2}, "dit": [1]}), 2, world_size=2
+    )
+    assert collective_ranks(frozen, 1, Action("vae", ActionKind.F, 0)) is None
+    sp = build_plan(
+        T2V,
+        parse_placement({"text": [0], "vae": {"ranks": [0, 1, 2, 3], "dp": 2, "ulysses": 2}, "dit": [3]}),
+        2,
+        world_size=4,
+    )
+    assert collective_ranks(sp, 3, Action("vae", ActionKind.F, 0)) == (2, 3)  # its replica's sequence group
 
 
 def test_unpaired_send_and_receive() -> None:
