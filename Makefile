@@ -34,11 +34,16 @@ lock:
 	mv constraints.txt.new constraints.txt
 	rm -rf $(LOCK_VENV)
 
-RUN_DIR ?= runs/default-$(shell date +%Y%m%d-%H%M%S)
+# Expanded once (a `?=` variable would call date at every use: one run directory per command)
+ifndef RUN_DIR
+RUN_DIR := runs/default-$(shell date +%Y%m%d-%H%M%S)
+endif
 
 run: $(STAMP)
-	$(BIN)/mmpipe train run_dir=$(RUN_DIR)
+	$(BIN)/mmpipe train run_dir=$(RUN_DIR) launch.nproc=0 placement=auto
 	$(BIN)/mmpipe generate ckpt=$(RUN_DIR) prompt="a red circle moving left"
+	$(BIN)/mmpipe eval $(RUN_DIR)
+	$(BIN)/mmpipe report $(RUN_DIR)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

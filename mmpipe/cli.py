@@ -30,6 +30,7 @@ commands:
   plan       plan a model on a cluster: mmpipe plan model=wan14b_t2v cluster=h200_512 [--json]
   profile    calibrate the planner's cost model on this machine: mmpipe profile model=t2v_tiny
   report     profiling dashboard of runs, one offline HTML file: mmpipe report RUN_DIR [RUN_DIR ...] [--out FILE]
+  eval       generate the moving-shapes caption grid with a trained run and score it: mmpipe eval RUN_DIR
   serve      OpenAI-compatible video / image API: mmpipe serve [pipeline=DIR | ckpt=RUN_DIR] port=8000
 
 Overrides use Hydra syntax: model=t2v_tiny_qwen train.steps=50 data.root=/videos
@@ -38,6 +39,9 @@ Overrides use Hydra syntax: model=t2v_tiny_qwen train.steps=50 data.root=/videos
 
 def _run_train(raw: dict[str, Any]) -> None:
     cfg = from_dict(RunConfig, raw)  # validate before the heavy imports
+    from mmpipe.devices import resolve_nproc  # start-up: imports torch, after the config is validated
+
+    cfg = resolve_nproc(cfg)  # launch.nproc=0: one rank per GPU or core
     if cfg.launch.nproc > 1:
         from mmpipe.runtime import procs  # start-up: the command's stack, imported when it runs
 
@@ -144,9 +148,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     command, overrides = args[0], args[1:]
     if command == "report":  # paths, not a Hydra config
         return _run_report(overrides)
+    if command == "eval":  # a path and flags, not a Hydra config
+        from mmpipe.eval import main_eval  # start-up: the command's stack, imported when it runs
+
+        return main_eval(overrides)
     if command not in COMMANDS:
         print(
-            f"mmpipe: unknown command {command!r}; commands: {sorted([*COMMANDS, 'report'])}\n\n{USAGE}",
+            f"mmpipe: unknown command {command!r}; commands: {sorted([*COMMANDS, 'eval', 'report'])}\n\n{USAGE}",
             file=sys.stderr,
         )
         return 2

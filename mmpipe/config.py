@@ -69,6 +69,9 @@ class ModelConfig:
     dit_head_dim: int = 16
     dit_layers: int = 4
     vae_base_dim: int = 4
+    # The tiny preset's VAE: random weights (width vae_base_dim), or "shapes": the Wan-architecture
+    # VAE trained on the moving-shapes clips that ships with the package (mmpipe.models.shapes_vae)
+    vae_weights: Literal["random", "shapes"] = "random"
     flow_shift: float = 3.0
     # Full-size architecture presets (wan14b_t2v, hunyuan_t2v, ...): each stage's module config
     # (diffusers / transformers kwargs; ``class`` picks the family) and the per-sample video size.
@@ -83,6 +86,8 @@ class ModelConfig:
         if self.dit_head_dim % 2:
             # Wan's 3-D rotary embedding splits each head's dims into even frame/height/width parts.
             raise ValueError(f"model.dit_head_dim must be even, got {self.dit_head_dim}")
+        if self.vae_weights not in ("random", "shapes"):
+            raise ValueError(f"model.vae_weights must be 'random' or 'shapes', got {self.vae_weights!r}")
         if self.kind == "u2g" and self.path is not None:
             raise ValueError("model.kind=u2g trains the tiny preset only; model.path must be null")
         if self.path is not None and not Path(self.path).is_dir():
@@ -152,7 +157,8 @@ class TrainConfig:
 class LaunchConfig:
     """Local workers of ``mmpipe train`` (torch's elastic agent) and their fault tolerance."""
 
-    nproc: int = 1  # 1 runs in this process; N > 1 launches N local workers (gloo)
+    # 1 runs in this process; N > 1 launches N local workers; 0: one per GPU (CUDA) or per CPU core
+    nproc: int = 1
     max_restarts: int = 0  # restart the whole group after a worker dies, resuming from the last checkpoint
     timeout_s: float = 300.0  # collectives and point-to-point ops fail after this long instead of hanging
     master_port: int = 0  # 0: pick a free port
@@ -161,7 +167,9 @@ class LaunchConfig:
     backend: Literal["auto", "nccl", "gloo"] = "auto"
 
     def __post_init__(self) -> None:
-        _positive("launch", self, "nproc", "timeout_s")
+        _positive("launch", self, "timeout_s")
+        if isinstance(self.nproc, bool) or not isinstance(self.nproc, int) or self.nproc < 0:
+            raise ValueError(f"launch.nproc={self.nproc!r}: expected 0 (one rank per GPU or core) or a positive int")
         if self.max_restarts < 0 or not 0 <= self.master_port < 65536:
             raise ValueError(f"launch.max_restarts={self.max_restarts} / master_port={self.master_port} out of range")
 

@@ -132,6 +132,18 @@ class RunDevices:
         return torch.device("cpu") if self.backend.staged else self.rank_device()
 
 
+def resolve_nproc(cfg: RunConfig) -> RunConfig:
+    """``cfg`` with ``launch.nproc=0`` replaced by the ranks this machine runs: one per GPU when the
+    run is on CUDA, else one per CPU core this process may use (each then runs one thread)."""
+    if cfg.launch.nproc:
+        return cfg
+    if resolve_device(cfg.device) is DeviceType.CUDA:
+        n = torch.cuda.device_count()
+    else:
+        n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return dataclasses.replace(cfg, launch=dataclasses.replace(cfg.launch, nproc=max(n, 1)))
+
+
 def run_devices(cfg: RunConfig, *, local_ranks: int | None = None) -> RunDevices:
     """``device``, ``launch.backend`` and ``train.precision`` resolved for this machine; a CUDA
     request without a GPU, or more NCCL ranks than GPUs, is a ``ValueError`` naming the key."""

@@ -48,6 +48,7 @@ from transformers import (
 
 from mmpipe.config import ModelConfig
 from mmpipe.graph import Graph, TensorSpec
+from mmpipe.models.shapes_vae import load_shapes_vae
 from mmpipe.stages import (
     CausalLMTextEncoderStage,
     DenoiseStage,
@@ -116,12 +117,16 @@ def build_tiny_wan_pipeline(spec: ModelConfig, texts: Sequence[str], *, seed: in
         torch.manual_seed(seed)
         tokenizer = build_word_tokenizer(texts)
         text_encoder = build_text_encoder(spec, vocab_size=len(tokenizer))
-        vae = AutoencoderKLWan(
-            base_dim=spec.vae_base_dim,
-            z_dim=16,
-            dim_mult=[1, 1, 1, 1],
-            num_res_blocks=1,
-            temperal_downsample=[False, True, True],
+        vae = (
+            load_shapes_vae()
+            if spec.vae_weights == "shapes"
+            else AutoencoderKLWan(
+                base_dim=spec.vae_base_dim,
+                z_dim=16,
+                dim_mult=[1, 1, 1, 1],
+                num_res_blocks=1,
+                temperal_downsample=[False, True, True],
+            )
         )
         transformer = WanTransformer3DModel(
             patch_size=(1, 2, 2),

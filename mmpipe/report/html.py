@@ -3,6 +3,7 @@ nothing fetched), with a dashboard per run and, for several runs, a comparison s
 
 from __future__ import annotations
 
+import base64
 import html
 import json
 from collections import defaultdict
@@ -134,8 +135,39 @@ def _run_section(i: int, run: Run, s: Summary) -> str:
     curves = loss_curves(run.metrics)
     if curves["loss"] or curves["val_loss"]:
         parts.append("<h3>Loss</h3>" + _figure(_loss_figure({run.name: curves}), f"loss-{i}"))
+    evaluation = _evaluation(run)
+    if evaluation:
+        parts.append("<h3>Evaluation (mmpipe eval)</h3>" + evaluation)
     parts.append("</section>")
     return "\n".join(parts)
+
+
+def _evaluation(run: Run) -> str:
+    """``mmpipe eval``'s accuracies and contact sheet (embedded), when the run was evaluated."""
+    path = run.run_dir / "eval" / "eval.json"
+    if not path.is_file():
+        return ""
+    try:
+        result = json.loads(path.read_text())
+        rows = [
+            ["colour accuracy", _pct(result["color_acc"])],
+            ["shape accuracy", _pct(result["shape_acc"])],
+            ["direction accuracy", _pct(result["direction_acc"])],
+            ["VAE reconstruction PSNR", f"{result['vae_psnr_db']:.2f} dB"],
+            ["clips", str(result["n"])],
+        ]
+    except (ValueError, KeyError, TypeError) as err:
+        return f'<p class="note">Unreadable {html.escape(str(path))}: {html.escape(repr(err))}</p>'
+    out = _table(["measure", "value"], rows)
+    sheet = path.parent / "contact_sheet.png"
+    if sheet.is_file():
+        data = base64.b64encode(sheet.read_bytes()).decode("ascii")
+        out += (
+            '<p class="note">First and last frame of every clip, its caption, and the tracker\'s verdict '
+            "(green: colour, shape and direction all match).</p>"
+            f'<img alt="contact sheet" style="max-width:100%;image-rendering:pixelated" src="data:image/png;base64,{data}">'
+        )
+    return out
 
 
 def _describe(run: Run, s: Summary, window: Window | None) -> str:

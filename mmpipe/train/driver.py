@@ -7,7 +7,7 @@ import logging
 
 from mmpipe.assemble.placement import check_placement, kernel_choice, make_plans
 from mmpipe.config import RunConfig
-from mmpipe.devices import DeviceType, run_devices
+from mmpipe.devices import DeviceType, resolve_nproc, run_devices
 from mmpipe.models.wan import check_pipeline_dir
 from mmpipe.report.recording import write_chrome_trace
 from mmpipe.rundir import read_metrics
@@ -21,6 +21,7 @@ logger = logging.getLogger(__name__)
 
 def train(cfg: RunConfig) -> TrainResult:
     """Train the trainable stages of the text-to-video graph on ``launch.nproc`` local ranks."""
+    cfg = resolve_nproc(cfg)  # launch.nproc=0: one rank per GPU or core
     if cfg.model.arch is not None and cfg.model.path is None:
         raise ValueError(
             f"model {cfg.model.name!r} is an architecture-only preset (no weights): plan it with "

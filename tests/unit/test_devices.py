@@ -13,7 +13,15 @@ import torch
 
 from mmpipe.assemble.placement import check_shared_gpu_groups
 from mmpipe.config import LaunchConfig, RunConfig, TrainConfig
-from mmpipe.devices import DeviceType, Precision, rank_device, resolve_backend, resolve_device, run_devices
+from mmpipe.devices import (
+    DeviceType,
+    Precision,
+    rank_device,
+    resolve_backend,
+    resolve_device,
+    resolve_nproc,
+    run_devices,
+)
 from mmpipe.errors import PlanError
 from mmpipe.runtime.executor import check_pair_order
 from mmpipe.sched.plan import Action, DeviceGroup, Plan
@@ -126,3 +134,15 @@ def test_only_nccl_groups_are_bound_to_the_gpu(monkeypatch: pytest.MonkeyPatch, 
     assert seen["backend"] == backend
     assert (seen["device_id"] == torch.device("cuda", 0)) is bound
     assert (os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING") == "1") is bound
+
+
+def test_nproc_zero_is_one_rank_per_gpu_or_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = RunConfig(launch=LaunchConfig(nproc=0), device="cpu")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
+    assert resolve_nproc(cfg).launch.nproc == 3
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    assert resolve_nproc(RunConfig(launch=LaunchConfig(nproc=0), device="auto")).launch.nproc == 8
+    assert resolve_nproc(RunConfig(launch=LaunchConfig(nproc=2))).launch.nproc == 2  # an explicit count stays
+    with pytest.raises(ValueError, match=r"launch.nproc=-1: expected 0 \(one rank per GPU or core\)"):
+        LaunchConfig(nproc=-1)

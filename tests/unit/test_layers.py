@@ -21,12 +21,12 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("mmpipe.assemble",),
     ("mmpipe.runtime",),
     ("mmpipe.report",),
-    ("mmpipe.train", "mmpipe.generate", "mmpipe.serve"),
+    ("mmpipe.train", "mmpipe.generate", "mmpipe.eval", "mmpipe.serve"),
     ("mmpipe.cli", "mmpipe"),
 )
 # Drivers are leaves: none imports another (each may import only the layers below). ``mmpipe profile``
 # calibrates by training, so it is part of the training driver (mmpipe.train.profile).
-DRIVERS = ("mmpipe.train", "mmpipe.generate", "mmpipe.serve")
+DRIVERS = ("mmpipe.train", "mmpipe.generate", "mmpipe.eval", "mmpipe.serve")
 
 
 def layer_of(module: str) -> tuple[int, str]:
