@@ -71,7 +71,7 @@ class ModelConfig:
     vae_base_dim: int = 4
     # The tiny preset's VAE: random weights (width vae_base_dim), or "shapes": the Wan-architecture
     # VAE trained on the moving-shapes clips that ships with the package (mmpipe.models.shapes_vae)
-    vae_weights: Literal["random", "shapes"] = "random"
+    vae_weights: Literal["random", "shapes"] = "shapes"
     flow_shift: float = 3.0
     # Full-size architecture presets (wan14b_t2v, hunyuan_t2v, ...): each stage's module config
     # (diffusers / transformers kwargs; ``class`` picks the family) and the per-sample video size.

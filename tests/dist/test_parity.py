@@ -136,8 +136,10 @@ def test_frozen_vae_split_unequally_over_two_ranks(tmp_path: Path) -> None:
     for r, g in zip(ref[1:], got[1:], strict=True):
         assert g["loss"] == pytest.approx(r["loss"], rel=1e-5)
     pr, pg = dit_params(tmp_path / "ref"), dit_params(tmp_path / "split")
+    # The latents differ by that reassociation; Adam's normalised step turns it into a drift of the
+    # parameters whose gradient is tiny (the same bound as the data-parallel test above).
     for k in pr:
-        torch.testing.assert_close(pg[k], pr[k], rtol=1e-5, atol=1e-5, msg=k)
+        torch.testing.assert_close(pg[k], pr[k], rtol=1e-5, atol=5e-5, msg=k)
     sends = [e for e in read_events(tmp_path / "split") if e["kind"] == "SEND" and e["stage"] == "vae"]
     by_mb = {(e["rank"], e["mb"]): e["bytes"] for e in sends if e["phase"] == "train"}
     one = by_mb[(0, 0)]

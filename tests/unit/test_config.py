@@ -52,7 +52,7 @@ def test_overrides_and_presets() -> None:
         ({"data": {"root": "/definitely/not/here"}}, "data.root='/definitely/not/here' is not a directory"),
         ({"model": {"path": "org/model"}}, "model.path='org/model' is not a local directory"),
         ({"model": {"dit_head_dim": 15}}, "model.dit_head_dim must be even, got 15"),
-        ({"launch": {"nproc": 0}}, "launch.nproc must be positive, got 0"),
+        ({"launch": {"nproc": -1}}, "launch.nproc=-1: expected 0 (one rank per GPU or core) or a positive int"),
         ({"placement": [0, 1]}, "placement=[0, 1]: expected a mapping"),
         ({"data": {"val_samples": 4}}, "data.val_samples=4 must be >= train.batch_size=8"),
     ],
