@@ -23,20 +23,18 @@ from typing import Any
 
 import numpy as np
 import torch
-from diffusers import AutoencoderKLWan
 from PIL import Image, ImageDraw
 from tqdm import tqdm
 
 from mmpipe.data import frames_to_uint8
 from mmpipe.data.shapes import COLORS, DIRECTIONS, SHAPES
-from mmpipe.data.tracker import Verdict, track
+from mmpipe.data.tracker import track
 from mmpipe.devices import DeviceType
 from mmpipe.models.shapes_vae import reconstruction_psnr
-from mmpipe.rundir import load_run_config
+from mmpipe.rundir import EVAL_DIR, load_run_config
 from mmpipe.runtime.trained import check_trained_run, load_trained_graph
 
 GRID: tuple[tuple[str, str, str], ...] = tuple(itertools.product(COLORS, SHAPES, DIRECTIONS))
-EVAL_DIR = "eval"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +107,7 @@ def evaluate(run_dir: Path, options: EvalOptions = EvalOptions(), *, progress: b
             )
             firsts_lasts.append((frames_THWC[0], frames_THWC[-1]))
     generate_s = time.perf_counter() - start
-    vae = AutoencoderKLWan.from_pretrained(run_dir / "pipeline" / "vae").eval()
+    vae = graph.decode.module  # the run's VAE, loaded with the pipeline
     psnr = reconstruction_psnr(vae, clips=options.vae_clips, frames=data.frames, height=data.height, width=data.width)
     n = len(clips)
     result: dict[str, Any] = {
@@ -191,4 +189,4 @@ def main_eval(args: Sequence[str]) -> int:
     return 0
 
 
-__all__ = ["GRID", "EvalOptions", "Verdict", "check_eval_run", "contact_sheet", "evaluate", "main_eval"]
+__all__ = ["GRID", "EvalOptions", "check_eval_run", "contact_sheet", "evaluate", "main_eval"]

@@ -24,6 +24,7 @@ VAL_PLAN_FILE = "plan-val.txt"  # the forward-only validation plan
 
 
 METRICS_FILE = "metrics.jsonl"
+EVAL_DIR = "eval"  # mmpipe eval: eval.json and contact_sheet.png
 
 
 def resolve_run_dir(cfg: RunConfig) -> Path:

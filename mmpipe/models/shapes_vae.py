@@ -42,8 +42,6 @@ CONFIG: dict[str, Any] = {
 # An ``AutoencoderKLWan``: mypy sees diffusers' lazily imported class without its methods.
 WanVAE = Any
 TRAIN_SEED, HELD_OUT_SEED = 1, 1_000_003  # dataset seeds: training clips, and clips never trained on
-KL_WEIGHT = 1e-6  # Wan's VAE recipe keeps the KL term small next to reconstruction
-LATENT_NOISE = 0.05
 
 
 def shapes_vae_dir() -> Path:

@@ -29,6 +29,7 @@ from mmpipe.report.analysis import (
     summarize,
 )
 from mmpipe.report.recording import TRACE_FILE, event_name, write_chrome_trace
+from mmpipe.rundir import EVAL_DIR
 
 REPORT_FILE = "report.html"
 COMPARE_FILE = "mmpipe-report.html"
@@ -144,7 +145,7 @@ def _run_section(i: int, run: Run, s: Summary) -> str:
 
 def _evaluation(run: Run) -> str:
     """``mmpipe eval``'s accuracies and contact sheet (embedded), when the run was evaluated."""
-    path = run.run_dir / "eval" / "eval.json"
+    path = run.run_dir / EVAL_DIR / "eval.json"
     if not path.is_file():
         return ""
     try:
