@@ -126,6 +126,16 @@ class TrainConfig:
     micro_batches: int = 2
     lr: float = 2e-3
     warmup_steps: int = 20
+    # after the warm-up: constant, or a cosine decay to 0 at train.steps (torchtitan's and diffusers'
+    # training scripts' usual choice; a short run ends with the small steps that settle it)
+    lr_schedule: Literal["constant", "cosine"] = "cosine"
+    # the fraction of training captions replaced by "" (the negative prompt generation's classifier-free
+    # guidance runs the DiT on): without it the unconditional branch is a context never trained on
+    caption_dropout: float = 0.1
+    # per rank: host memory for the frozen prefix's outputs (VAE latents, text embeddings) kept per
+    # sample and reused after the first epoch (mmpipe.runtime.frozen_cache); 0 recomputes them every
+    # step (a dataset that augments at random needs 0)
+    cache_frozen_gb: float = 2.0
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 on CUDA (fp32 master weights), fp32 on CPU
@@ -151,6 +161,12 @@ class TrainConfig:
         if self.warmup_steps < 0 or self.grad_clip < 0 or self.weight_decay < 0 or self.threads < 0:
             raise ValueError("train.warmup_steps, grad_clip, weight_decay and threads must be >= 0")
         _positive("train", self, "max_skipped")
+        if not 0.0 <= self.caption_dropout < 1.0:
+            raise ValueError(f"train.caption_dropout={self.caption_dropout!r}: expected a fraction in [0, 1)")
+        if not self.cache_frozen_gb >= 0.0:
+            raise ValueError(f"train.cache_frozen_gb={self.cache_frozen_gb!r}: expected >= 0 (0 turns the cache off)")
+        if self.lr_schedule not in ("constant", "cosine"):
+            raise ValueError(f"train.lr_schedule={self.lr_schedule!r}: expected constant or cosine")
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -269,6 +269,15 @@ class Graph:
         """Edges leaving ``stage``."""
         return [e for e in self.edges if e.src == stage]
 
+    def frozen_prefix(self) -> list[str]:
+        """Frozen stages fed only by graph inputs and other such stages, in topological order: their
+        outputs are a function of the sample (what a training run may cache instead of recomputing)."""
+        prefix: list[str] = []
+        for name in self.topological_order():
+            if self.stages[name].frozen and all(e.src == INPUT or e.src in prefix for e in self.producers(name)):
+                prefix.append(name)
+        return prefix
+
     def trainable_stages(self) -> list[Stage]:
         """Stages that are not frozen, in topological order."""
         return [self.stages[n] for n in self.topological_order() if not self.stages[n].frozen]

@@ -3,7 +3,9 @@ and the prediction for a given placement (the report)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -45,17 +47,25 @@ def plan(
     calibration: Calibration | str | Path | None = None,
     simulate: bool = True,
     name: str | None = None,
+    compute_fraction: Mapping[str, float] | None = None,
 ) -> PlanReport:
     """Plan a training graph on a cluster (a :class:`Cluster` or a preset name).
 
     ``inputs``: the graph inputs' per-sample shapes, e.g. ``{"video": ((1, 3, 81, 720, 1280),
     torch.float32), ...}``. ``global_batch``: samples per step, kept exactly; ``None`` uses up to
     one sample per device. ``report.plan(graph)`` is the runtime's plan of the chosen layout.
+    ``compute_fraction``: stage -> the share of its samples it computes (the rest served by the
+    frozen-output cache), which scales its FLOPs.
     """
     cluster = Cluster.preset(cluster) if isinstance(cluster, str) else cluster
     if isinstance(calibration, str | Path):
         calibration = Calibration.load(calibration)
     costs = measure_graph_costs(graph, inputs)
+    for stage, f in (compute_fraction or {}).items():
+        c = costs[stage]
+        costs[stage] = dataclasses.replace(
+            c, forward_flops=c.forward_flops * f, attention_flops=c.attention_flops * f, block_flops=c.block_flops * f
+        )
     workload = Workload.of(name or graph.name, graph, costs, global_batch or cluster.world_size)
     planner = Planner(
         workload,
@@ -142,6 +152,19 @@ def report_json(graph: Graph, report: PlanReport) -> dict[str, Any]:
     return report.to_json() | {"placement": placement_config(report.best.candidate.placement())}
 
 
+def frozen_compute_fraction(graph: Graph, cfg: RunConfig) -> dict[str, float]:
+    """The share of its samples each cached frozen stage computes over the run: every distinct
+    sample (a dataset index, with or without its caption) once, the rest from the cache. Assumes
+    the cache holds every sample (a run past ``train.cache_frozen_gb`` recomputes the rest, so this
+    is then optimistic). A folder data set (``data.root``) is planned as if uncached."""
+    tc = cfg.train
+    if tc.cache_frozen_gb <= 0 or cfg.data.root is not None:
+        return {}
+    seen = tc.steps * tc.batch_size
+    distinct = min(seen, math.ceil(cfg.data.num_samples * (1.0 + tc.caption_dropout)))
+    return {s: distinct / seen for s in graph.frozen_prefix()}
+
+
 def auto_placement(graph: Graph, cfg: RunConfig) -> dict[str, Any]:
     """The planner's placement of ``graph`` on ``launch.nproc`` local CPU ranks (config form)."""
 
@@ -155,6 +178,7 @@ def auto_placement(graph: Graph, cfg: RunConfig) -> dict[str, Any]:
         micro_batches=cfg.train.micro_batches,
         calibration=path if path.is_file() else None,
         name=cfg.model.name,
+        compute_fraction=frozen_compute_fraction(graph, cfg),
     )
     logger.info("placement=auto (%s):\n%s", "calibrated" if path.is_file() else "uncalibrated", report.format())
     # with the memory policy the layout needs to fit (recomputed / file-tier offloaded blocks)

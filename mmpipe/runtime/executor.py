@@ -18,7 +18,7 @@ import contextlib
 import dataclasses
 import math
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ from mmpipe.memory.tiers import FileTier, Tier
 from mmpipe.parallel.reshard import Region
 from mmpipe.parallel.sequence import SequenceLayout
 from mmpipe.runtime.events import EventRecorder
+from mmpipe.runtime.frozen_cache import FrozenOutputCache
 from mmpipe.runtime.mesh import MeshOwner
 from mmpipe.runtime.optim import StageOptim
 from mmpipe.runtime.transport import isend_message, nbytes, recv_tensors
@@ -45,6 +46,7 @@ from mmpipe.sched.plan import Action, ActionKind, Plan, check_split, overlapping
 
 BatchFn = Callable[[int], dict[str, torch.Tensor]]  # micro-batch index -> full micro-batch graph inputs
 OptionsFn = Callable[[str, int, tuple[int, int, int]], dict[str, Any]]  # stage, mb, rows -> forward options
+KeysFn = Callable[[int], Sequence[Hashable]]  # micro-batch index -> one sample key per row (frozen-output cache)
 
 
 class Executor:
@@ -65,6 +67,7 @@ class Executor:
         wire: torch.device | None = None,
         compile_blocks: bool = False,
         kernels: KernelChoice | None = None,
+        frozen_cache_bytes: int = 0,
     ) -> None:
         self.graph, self.plan, self.mesh, self.rank = graph, plan, mesh, mesh.rank
         # device: where this rank's modules and tensors live; wire: where edge payloads travel
@@ -90,6 +93,18 @@ class Executor:
         self.local = plan.stages_on(self.rank)
         self.optimizers: dict[str, StageOptim] = {}  # filled by the trainer for local trainable stages
         self.modules: dict[str, nn.Module] = {s: self._build(s) for s in self.local}
+        # frozen stages fed only by the data, whole on this rank's rows: kept per sample when run()
+        # is given sample keys (mmpipe.runtime.frozen_cache)
+        self.frozen_cache = FrozenOutputCache(frozen_cache_bytes) if frozen_cache_bytes > 0 else None
+        # (never one whose forward runs collectives: ranks of its group could hit and miss apart)
+        self._cached = {
+            s
+            for s in graph.frozen_prefix()
+            if s in self.local
+            and s not in plan.backward
+            and self.groups[s].sp == 1
+            and not isinstance(self.modules[s], FSDPModule)
+        }
         self._port_edges = [e for e in graph.edges if e.src != INPUT]
         self._tags = {pair: i for i, pair in enumerate(graph.stage_edges())}
         # Output ports that carry gradients: declared floating point, or of unspecified dtype.
@@ -218,20 +233,23 @@ class Executor:
         *,
         flush: bool = True,
         step: int | None = None,
+        keys_fn: KeysFn | None = None,
     ) -> dict[str, Any]:
         """Interpret ``actions``; returns ``{"loss": weighted local loss sum, "grad_norm": {stage: norm},
         "skipped": [stages whose non-finite update was skipped]}``.
 
         ``flush=False`` returns with sends still in flight (bounded by ``max_inflight_sends``);
-        ``step``: the training step, named by a non-finite error.
+        ``step``: the training step, named by a non-finite error; ``keys_fn``: each micro-batch's sample
+        keys, with which the frozen prefix's outputs are kept and reused (with ``frozen_cache_bytes``).
         """
-        state = _StepState(loss=torch.zeros((), device=self.device), step=step)
+        state = _StepState(loss=torch.zeros((), device=self.device), step=step, keys_fn=keys_fn)
         for a in actions:  # the pass's last backward of each stage reduces its gradients
             if a.kind == ActionKind.B:
                 state.last_backward[a.stage] = _mb(a)
         for i, action in enumerate(actions):
             start = self.events.mark() if self.events is not None else 0.0
             tier = dataclasses.replace(self.spill.stats) if self.spill is not None else None
+            cached = state.cached_rows
             try:
                 # Under torch.profiler (profile.enabled), each action is a range named like its text form.
                 with record_function(str(action)) if torch.autograd._profiler_enabled() else contextlib.nullcontext():
@@ -241,10 +259,10 @@ class Executor:
                     f"rank {self.rank} failed at step {i} ({action}): {err}\n{self.plan.format_table({self.rank: i})}"
                 ) from err
             if self.events is not None:
-                extra = {}
+                extra: dict[str, float] = {"frozen_cache_rows": state.cached_rows - cached}  # served, not computed
                 if tier is not None and self.spill is not None:  # what the offload tier did in this action
                     now = self.spill.stats
-                    extra = {
+                    extra |= {
                         "offloaded_bytes": now.offloaded_bytes - tier.offloaded_bytes,
                         "offload_returned_bytes": now.returned_bytes - tier.returned_bytes,
                         "offload_write_s": now.write_s - tier.write_s,  # the background writer's
@@ -281,6 +299,14 @@ class Executor:
     # ---- compute --------------------------------------------------------------------------------
     def _forward(self, stage: str, mb: int, st: _StepState, batch_fn: BatchFn, options_fn: OptionsFn) -> None:
         lo, hi = self.rows(stage, mb)
+        keys = None
+        if self.frozen_cache is not None and st.keys_fn is not None and stage in self._cached:
+            keys = list(st.keys_fn(mb))[lo:hi]
+            kept = self.frozen_cache.get(stage, keys, self.device)
+            if kept is not None:  # every row kept: no inputs loaded, nothing computed
+                st.inputs[(stage, mb)], st.outputs[(stage, mb)] = {}, kept
+                st.cached_rows += hi - lo
+                return
         # Build an autograd graph only when this pass runs the stage's backward (not in a forward-only
         # pass, e.g. validation, over the same executor).
         wants_grad = stage in self.plan.backward and stage in st.last_backward
@@ -308,6 +334,8 @@ class Executor:
                 st.lengths[(stage, port, mb)] = length
         st.inputs[(stage, mb)] = inputs
         st.outputs[(stage, mb)] = out
+        if keys is not None and self.frozen_cache is not None:
+            self.frozen_cache.put(stage, keys, out)
         if "loss" in out and not self.graph.consumers(stage):
             # dp replicas weigh their rows; the sp ranks of a replica return shares that sum to its loss
             weight = (hi - lo) / self.batch_size
@@ -549,6 +577,8 @@ class _StepState:
     grad_norms: dict[str, float] = dataclasses.field(default_factory=dict)
     last_backward: dict[str, int] = dataclasses.field(default_factory=dict)
     step: int | None = None  # the training step (for errors)
+    keys_fn: KeysFn | None = None  # micro-batch -> sample keys (frozen-output cache)
+    cached_rows: int = 0  # rows the frozen-output cache served in this pass
     skipped: list[str] = dataclasses.field(default_factory=list)  # stages whose update was dropped
 
     def batch(self, mb: int, batch_fn: BatchFn) -> dict[str, torch.Tensor]:

@@ -27,6 +27,20 @@ def sample_indices(step: int, batch_size: int, n: int, seed: int) -> list[int]:
     return out
 
 
+def dropped_captions(step: int, batch_size: int, fraction: float, seed: int) -> list[bool]:
+    """Which of ``step``'s samples train with the empty caption (``train.caption_dropout``): a draw
+    seeded by (seed, step), so every rank and a resumed run drop the same ones."""
+    if fraction <= 0.0:
+        return [False] * batch_size
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step + 7)
+    return (torch.rand(batch_size, generator=gen) < fraction).tolist()
+
+
+def without_caption(sample: Mapping[str, Any]) -> dict[str, Any]:
+    """``sample`` with the empty caption: what guidance's negative prompt encodes."""
+    return {**sample, "caption": ""}
+
+
 class Collator:
     """Samples -> the graph inputs of a micro-batch: tokens, videos and (u2g) the conditioning image."""
 

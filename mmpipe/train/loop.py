@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -27,9 +28,27 @@ from mmpipe.runtime.events import EventRecorder
 from mmpipe.runtime.executor import Executor, OptionsFn
 from mmpipe.runtime.mesh import MeshOwner
 from mmpipe.runtime.optim import StageOptim
-from mmpipe.train.data import Collator, micro_batch_seed, micro_batches, sample_indices
+from mmpipe.train.data import (
+    Collator,
+    dropped_captions,
+    micro_batch_seed,
+    micro_batches,
+    sample_indices,
+    without_caption,
+)
 
 logger = logging.getLogger(__name__)
+
+
+def lr_factor(step: int, *, warmup: int, steps: int, schedule: str) -> float:
+    """The learning rate of optimizer step ``step`` (0-based) as a fraction of ``train.lr``: a linear
+    warm-up over ``warmup`` steps, then constant or a cosine decay that reaches 0 at ``steps``."""
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    if schedule == "constant" or steps <= warmup:
+        return 1.0
+    done = min(1.0, (step - warmup) / (steps - warmup))
+    return 0.5 * (1.0 + math.cos(math.pi * done))
 
 
 @dataclasses.dataclass
@@ -66,6 +85,7 @@ class TrainLoop:
             wire=devices.wire(),
             compile_blocks=cfg.model.compile,
             kernels=kernel_choice(cfg),
+            frozen_cache_bytes=int(cfg.train.cache_frozen_gb * 1e9),
         )
         self.executor.optimizers = {s: self._optim(s) for s in self.executor.local if s in self.train_plan.trainable}
         for s in self.executor.optimizers:
@@ -82,7 +102,9 @@ class TrainLoop:
         tc = self.cfg.train
         params = [p for p in self.executor.modules[stage].parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / (tc.warmup_steps + 1)))
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda s: lr_factor(s, warmup=tc.warmup_steps, steps=tc.steps, schedule=tc.lr_schedule)
+        )
         return StageOptim(opt, sched, tc.grad_clip, skip_nonfinite=tc.nonfinite == "skip")
 
     def options(self, step: int) -> OptionsFn:
@@ -92,8 +114,24 @@ class TrainLoop:
     def batch_fn(self, step: int) -> Callable[[int], dict[str, torch.Tensor]]:
         tc = self.cfg.train
         indices = sample_indices(step, tc.batch_size, len(self.train_set), self.cfg.data.seed)
+        drop = dropped_captions(step, tc.batch_size, tc.caption_dropout, tc.seed)
         size = self.micro_size
-        return lambda mb: self.collate([self.train_set[i] for i in indices[mb * size : (mb + 1) * size]])
+
+        def batch(mb: int) -> dict[str, torch.Tensor]:
+            rows = range(mb * size, (mb + 1) * size)
+            return self.collate(
+                [without_caption(self.train_set[indices[j]]) if drop[j] else self.train_set[indices[j]] for j in rows]
+            )
+
+        return batch
+
+    def keys_fn(self, step: int) -> Callable[[int], list[tuple[str, int, bool]]]:
+        """The sample keys of ``step``'s micro-batches: dataset index and whether the caption was dropped."""
+        tc = self.cfg.train
+        indices = sample_indices(step, tc.batch_size, len(self.train_set), self.cfg.data.seed)
+        drop = dropped_captions(step, tc.batch_size, tc.caption_dropout, tc.seed)
+        size = self.micro_size
+        return lambda mb: [("train", indices[j], drop[j]) for j in range(mb * size, (mb + 1) * size)]
 
     def reduce(self, local: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
         """Sum a metrics vector over ranks (each value is owned by one rank, the others add 0)."""
@@ -111,7 +149,9 @@ class TrainLoop:
         self.events.step, self.events.phase = step + 1, "train"
         reporting = self.rank in self.mesh.metrics_ranks
         actions = self.train_plan.actions[self.rank]
-        out = self.executor.run(actions, self.batch_fn(step), self.options(step), flush=reporting, step=step)
+        out = self.executor.run(
+            actions, self.batch_fn(step), self.options(step), flush=reporting, step=step, keys_fn=self.keys_fn(step)
+        )
         if not reporting:
             return None
         group = self.mesh.metrics_group
@@ -123,14 +163,18 @@ class TrainLoop:
         ]
         spilled = float(self.executor.spill.stats.offloaded_bytes) if self.executor.spill is not None else 0.0
         skipped = float(len(out["skipped"]))
-        vec = self.reduce(torch.tensor([spilled, skipped, *norms, *lrs], dtype=torch.float64), group)
+        cache = self.executor.frozen_cache
+        hits = float(cache.hits) if cache is not None else 0.0
+        vec = self.reduce(torch.tensor([spilled, skipped, hits, *norms, *lrs], dtype=torch.float64), group)
         loss = self.reduce(out["loss"].reshape(1).cpu(), group)  # float32, summed exactly as a single rank would
         record: dict[str, Any] = {"step": step + 1, "loss": loss.item()}
         if vec[0] > 0:  # activations offloaded so far (all ranks), by the file tier
             record["offloaded_bytes"] = int(vec[0])
         self._count_skipped(step, int(vec[1]), record)
+        if vec[2] > 0:  # micro-batch rows the frozen stages served from the cache so far (all ranks)
+            record["frozen_cache_hits"] = int(vec[2])
         k = len(self.trainable)
-        for s, norm, lr in zip(self.trainable, vec[2 : 2 + k].tolist(), vec[2 + k :].tolist(), strict=True):
+        for s, norm, lr in zip(self.trainable, vec[3 : 3 + k].tolist(), vec[3 + k :].tolist(), strict=True):
             suffix = "" if k == 1 else f"/{s}"
             record[f"grad_norm{suffix}"], record[f"lr{suffix}"] = norm, lr
         return record
@@ -163,8 +207,12 @@ class TrainLoop:
             def options(stage: str, mb: int, rows: tuple[int, int, int], c: int = c) -> dict[str, Any]:
                 return {"seed": micro_batch_seed(seed, -1, c * n_micro + mb), "rows": rows}
 
+            def keys(mb: int, c: int = c) -> list[tuple[str, int, bool]]:
+                first = (c * n_micro + mb) * self.micro_size
+                return [("val", i, False) for i in range(first, first + self.micro_size)]
+
             with torch.no_grad():
-                out = self.executor.run(self.val_plan.actions[self.rank], mbs.__getitem__, options)
+                out = self.executor.run(self.val_plan.actions[self.rank], mbs.__getitem__, options, keys_fn=keys)
             total += out["loss"].cpu()
         return self.reduce(total.reshape(1))[0].item() / len(chunks)
 
@@ -230,6 +278,16 @@ def _run_rank(cfg: RunConfig, graph: Graph, *, rank: int, world_size: int) -> Tr
         bar.update(1)
     bar.close()
     loop.executor.flush()
+    cache = loop.executor.frozen_cache
+    if cache is not None and (cache.hits or cache.misses):
+        logger.info(
+            "rank %d frozen-output cache: %d rows served, %d computed, %d kept (%.1f MB)",
+            loop.rank,
+            cache.hits,
+            cache.misses,
+            len(cache),
+            cache.bytes / 1e6,
+        )
     recording.close()
     loop.events.close()
     if metrics is not None:

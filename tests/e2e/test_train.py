@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -44,12 +45,13 @@ def test_training_lowers_the_validation_loss(tmp_path: Path) -> None:
 
 
 def test_resume_continues_bitwise_identically(tmp_path: Path) -> None:
-    full = train(small_run(tmp_path / "full", steps=6, ckpt_every=3))
-    part = train(small_run(tmp_path / "part", steps=3, ckpt_every=3))
+    # constant lr: the part run stands for a crashed 6-step run, and a cosine decay would end at its step 3
+    full = train(small_run(tmp_path / "full", steps=6, ckpt_every=3, lr_schedule="constant"))
+    part = train(small_run(tmp_path / "part", steps=3, ckpt_every=3, lr_schedule="constant"))
     # A crashed run may have logged past its checkpoint: resume drops that tail.
     with (part.run_dir / "metrics.jsonl").open("a") as f:
         f.write(json.dumps({"step": 4, "loss": -1.0}) + "\n")
-    resumed = train(small_run(tmp_path / "part", steps=6, ckpt_every=3, resume=True))
+    resumed = train(small_run(tmp_path / "part", steps=6, ckpt_every=3, resume=True, lr_schedule="constant"))
     a, b = read_metrics(full.run_dir), read_metrics(resumed.run_dir)
     assert [r["step"] for r in b] == [r["step"] for r in a] == list(range(7))
     for ra, rb in zip(a[1:], b[1:], strict=True):
@@ -144,3 +146,23 @@ def test_the_marker_moves_atomically(tmp_path: Path, monkeypatch: pytest.MonkeyP
     train(small_run(tmp_path / "run", steps=2, ckpt_every=1))
     assert replaced == [("latest.tmp", "latest")] * 2
     assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == "step_00000002\n"
+
+
+def test_frozen_output_cache_keeps_the_losses_and_skips_the_frozen_stages(tmp_path: Path) -> None:
+    # 8 samples, 4 a step: epochs 2 and 3 are served from the cache (VAE latents, text embeddings)
+    data = DataConfig(frames=9, height=32, width=32, num_samples=8, val_samples=4)
+    runs = {}
+    for gb in (0.0, 1.0):
+        cfg = small_run(tmp_path / f"cache{gb}", steps=6, cache_frozen_gb=gb, caption_dropout=0.25)
+        runs[gb] = read_metrics(train(dataclasses.replace(cfg, data=data)).run_dir)
+    for off, on in zip(runs[0.0][1:], runs[1.0][1:], strict=True):
+        assert on["loss"] == pytest.approx(off["loss"], rel=1e-5, abs=1e-7), (off, on)
+    assert not any("frozen_cache_hits" in r for r in runs[0.0])
+    hits = [r.get("frozen_cache_hits", 0) for r in runs[1.0][1:]]
+    # epoch 1 (steps 1-2) computes every row; later steps reuse those whose caption state repeats
+    # (2 frozen stages x 2 micro-batches of 2 rows: a whole micro-batch hits or none of it does)
+    assert hits[:2] == [0, 0] and hits[-1] > 0 and hits == sorted(hits), hits
+    events = (tmp_path / "cache1.0" / "events" / "rank0.jsonl").read_text().splitlines()
+    served = [e for e in map(json.loads, events) if "frozen_cache_rows" in e and e["phase"] == "train"]
+    assert {e["stage"] for e in served} <= {"text", "vae"} and all(e["kind"] == "F" for e in served)
+    assert sum(e["frozen_cache_rows"] for e in served) == hits[-1]
