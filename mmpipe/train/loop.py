@@ -111,10 +111,14 @@ class TrainLoop:
         seed = self.cfg.train.seed
         return lambda stage, mb, rows: {"seed": micro_batch_seed(seed, step, mb), "rows": rows}
 
-    def batch_fn(self, step: int) -> Callable[[int], dict[str, torch.Tensor]]:
+    def step_samples(self, step: int) -> tuple[list[int], list[bool]]:
+        """``step``'s dataset indices and which of them train with the empty caption."""
         tc = self.cfg.train
         indices = sample_indices(step, tc.batch_size, len(self.train_set), self.cfg.data.seed)
-        drop = dropped_captions(step, tc.batch_size, tc.caption_dropout, tc.seed)
+        return indices, dropped_captions(step, tc.batch_size, tc.caption_dropout, tc.seed)
+
+    def batch_fn(self, step: int) -> Callable[[int], dict[str, torch.Tensor]]:
+        indices, drop = self.step_samples(step)
         size = self.micro_size
 
         def batch(mb: int) -> dict[str, torch.Tensor]:
@@ -127,9 +131,7 @@ class TrainLoop:
 
     def keys_fn(self, step: int) -> Callable[[int], list[tuple[str, int, bool]]]:
         """The sample keys of ``step``'s micro-batches: dataset index and whether the caption was dropped."""
-        tc = self.cfg.train
-        indices = sample_indices(step, tc.batch_size, len(self.train_set), self.cfg.data.seed)
-        drop = dropped_captions(step, tc.batch_size, tc.caption_dropout, tc.seed)
+        indices, drop = self.step_samples(step)
         size = self.micro_size
         return lambda mb: [("train", indices[j], drop[j]) for j in range(mb * size, (mb + 1) * size)]
 
@@ -171,7 +173,7 @@ class TrainLoop:
         if vec[0] > 0:  # activations offloaded so far (all ranks), by the file tier
             record["offloaded_bytes"] = int(vec[0])
         self._count_skipped(step, int(vec[1]), record)
-        if vec[2] > 0:  # micro-batch rows the frozen stages served from the cache so far (all ranks)
+        if vec[2] > 0:  # rows the frozen-output cache served so far (the metrics ranks'; events have every rank's)
             record["frozen_cache_hits"] = int(vec[2])
         k = len(self.trainable)
         for s, norm, lr in zip(self.trainable, vec[3 : 3 + k].tolist(), vec[3 + k :].tolist(), strict=True):
