@@ -96,14 +96,10 @@ class Executor:
         # frozen stages fed only by the data, whole on this rank's rows: kept per sample when run()
         # is given sample keys (mmpipe.runtime.frozen_cache)
         self.frozen_cache = FrozenOutputCache(frozen_cache_bytes) if frozen_cache_bytes > 0 else None
-        # (never one whose forward runs collectives: ranks of its group could hit and miss apart)
+        # (frozen stages are never sharded, _build; a sequence-parallel one runs collectives, so ranks
+        # of its group could hit and miss apart: not cached)
         self._cached = {
-            s
-            for s in graph.frozen_prefix()
-            if s in self.local
-            and s not in plan.backward
-            and self.groups[s].sp == 1
-            and not isinstance(self.modules[s], FSDPModule)
+            s for s in graph.frozen_prefix() if s in self.local and s not in plan.backward and self.groups[s].sp == 1
         }
         self._port_edges = [e for e in graph.edges if e.src != INPUT]
         self._tags = {pair: i for i, pair in enumerate(graph.stage_edges())}

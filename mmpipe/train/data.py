@@ -20,10 +20,12 @@ from mmpipe.stages.text import tokenize
 def sample_indices(step: int, batch_size: int, n: int, seed: int) -> list[int]:
     """The dataset indices of ``step``: epoch-wise permutations seeded by (seed, epoch)."""
     out = []
+    perms: dict[int, list[int]] = {}  # one permutation per epoch the step touches (at most two)
     for g in range(step * batch_size, (step + 1) * batch_size):
         epoch, pos = divmod(g, n)
-        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
-        out.append(int(perm[pos]))
+        if epoch not in perms:
+            perms[epoch] = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch)).tolist()
+        out.append(perms[epoch][pos])
     return out
 
 

@@ -97,6 +97,7 @@ class TrainLoop:
         self.val_batches = val_mbs
         self.trainable = sorted(self.train_plan.trainable)
         self.skipped_in_a_row = self.skipped_total = 0
+        self._samples: tuple[int, tuple[list[int], list[bool]]] | None = None  # step_samples' last step
 
     def _optim(self, stage: str) -> StageOptim:
         tc = self.cfg.train
@@ -112,12 +113,16 @@ class TrainLoop:
         return lambda stage, mb, rows: {"seed": micro_batch_seed(seed, step, mb), "rows": rows}
 
     def step_samples(self, step: int) -> tuple[list[int], list[bool]]:
-        """``step``'s dataset indices and which of them train with the empty caption."""
-        tc = self.cfg.train
-        indices = sample_indices(step, tc.batch_size, len(self.train_set), self.cfg.data.seed)
-        return indices, dropped_captions(step, tc.batch_size, tc.caption_dropout, tc.seed)
+        """``step``'s dataset indices and which of them train with the empty caption (drawn once a
+        step: the batch and the cache keys both read them)."""
+        if self._samples is None or self._samples[0] != step:
+            tc = self.cfg.train
+            indices = sample_indices(step, tc.batch_size, len(self.train_set), self.cfg.data.seed)
+            self._samples = (step, (indices, dropped_captions(step, tc.batch_size, tc.caption_dropout, tc.seed)))
+        return self._samples[1]
 
     def batch_fn(self, step: int) -> Callable[[int], dict[str, torch.Tensor]]:
+        """``step``'s micro-batches of graph inputs."""
         indices, drop = self.step_samples(step)
         size = self.micro_size
 
