@@ -28,8 +28,9 @@ _EXPORTS = {
     "Graph": "mmpipe.graph",
     "Stage": "mmpipe.graph",
     "TensorSpec": "mmpipe.graph",
+    "PipelineGraph": "mmpipe.models.pipeline_graph",
     "T2VGraph": "mmpipe.models.wan",
-    "from_diffusers": "mmpipe.models.wan",
+    "from_diffusers": "mmpipe.models.pipeline_graph",
     "plan": "mmpipe.assemble.planning",
     "train": "mmpipe.train",
 }
@@ -37,6 +38,7 @@ __all__ = [
     "Capabilities",
     "Edge",
     "Graph",
+    "PipelineGraph",
     "Stage",
     "T2VGraph",
     "TensorSpec",
@@ -48,7 +50,8 @@ __all__ = [
 if TYPE_CHECKING:
     from mmpipe.assemble.planning import plan
     from mmpipe.graph import Capabilities, Edge, Graph, Stage, TensorSpec
-    from mmpipe.models.wan import T2VGraph, from_diffusers
+    from mmpipe.models.pipeline_graph import PipelineGraph, from_diffusers
+    from mmpipe.models.wan import T2VGraph
     from mmpipe.train import train
 
 

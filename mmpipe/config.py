@@ -310,9 +310,12 @@ class RunConfig:
 
 @dataclasses.dataclass(kw_only=True)
 class GenerateConfig:
-    """Root config of ``mmpipe generate``: a trained run directory and what to render."""
+    """Root config of ``mmpipe generate``: a trained run directory (``ckpt``) or a local diffusers
+    pipeline directory of any supported family (``pipeline``), and what to render."""
 
     ckpt: str | None = None
+    pipeline: str | None = None  # a diffusers directory (Wan, HunyuanVideo, CogVideoX, LTX, Flux, ...)
+    image: str | None = None  # the input image of image-to-video pipelines (a PNG / JPEG file)
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA when a GPU is visible (bf16 there)
     prompt: str = "a red circle moving left"
     negative_prompt: str = ""
@@ -326,10 +329,15 @@ class GenerateConfig:
     out: str | None = None  # None: <ckpt>/samples
 
     def __post_init__(self) -> None:
-        if not self.ckpt:
-            raise ValueError("ckpt is required: mmpipe generate ckpt=RUN_DIR")
-        if not Path(self.ckpt).is_dir():
+        if bool(self.ckpt) == bool(self.pipeline):
+            raise ValueError(
+                "give exactly one of ckpt and pipeline: mmpipe generate ckpt=RUN_DIR or pipeline=DIFFUSERS_DIR "
+                f"(got ckpt={self.ckpt!r} pipeline={self.pipeline!r})"
+            )
+        if self.ckpt and not Path(self.ckpt).is_dir():
             raise ValueError(f"ckpt={self.ckpt!r} is not a run directory")
+        if self.image is not None and not Path(self.image).is_file():
+            raise ValueError(f"image={self.image!r} is not a file")
         if not self.prompt.strip():
             raise ValueError("prompt must not be empty")
         _positive("generate", self, "steps", "fps")

@@ -1,4 +1,5 @@
-"""``mmpipe generate``: a prompt -> a GIF and an MP4, with the DiT of a trained run.
+"""``mmpipe generate``: a prompt -> a GIF and an MP4 (a PNG for image families), with the DiT of a
+trained run (``ckpt=RUN_DIR``) or any supported diffusers pipeline directory (``pipeline=DIR``).
 
 ``device=cpu`` computes in float32 as the run was saved; ``device=cuda`` (or ``auto`` on a GPU
 machine) loads the pipeline onto the GPU in diffusers' Wan precision (bf16 text encoder and DiT,
@@ -11,45 +12,80 @@ from __future__ import annotations
 import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
+from PIL import Image
 
 from mmpipe.config import GenerateConfig
-from mmpipe.data import frames_to_uint8, write_gif, write_mp4
-from mmpipe.devices import resolve_device
+from mmpipe.data import frames_to_uint8, write_gif, write_mp4, write_png
+from mmpipe.devices import DeviceType, resolve_device
+from mmpipe.models.pipeline_graph import PipelineGraph, check_family_dir, from_diffusers
 from mmpipe.report.recording import record_generation
 from mmpipe.rundir import load_run_config
 from mmpipe.runtime.trained import check_trained_run, load_trained_graph
 
 
 def generate(cfg: GenerateConfig) -> dict[str, Path]:
-    """Render ``cfg.prompt`` with the trained run ``cfg.ckpt`` on ``cfg.device``; returns the
-    written files: the GIF, the MP4 and the generation's own run directory (its events, memory
-    samples and trace, which ``mmpipe report`` reads)."""
-    assert cfg.ckpt is not None  # GenerateConfig.__post_init__ requires it
+    """Render ``cfg.prompt`` with the trained run ``cfg.ckpt`` or the pipeline ``cfg.pipeline`` on
+    ``cfg.device``; returns the written files: the GIF and the MP4 (a PNG for image families) and
+    the generation's own run directory (its events, memory samples and trace, which ``mmpipe
+    report`` reads)."""
     device = resolve_device(cfg.device)  # device=cuda without a GPU: refused before anything loads
+    if cfg.pipeline is not None:
+        return _generate_pipeline(cfg, device)
+    assert cfg.ckpt is not None  # GenerateConfig.__post_init__ requires one of them
     run_dir = Path(cfg.ckpt)
     check_trained_run(run_dir)
+    if cfg.image is not None:
+        raise ValueError(f"image={cfg.image!r}: a trained run is text-to-video; image is for pipeline=DIR")
     data = load_run_config(run_dir).data
     graph = load_trained_graph(run_dir, device)
-    out_dir = Path(cfg.out) if cfg.out else run_dir / "samples"
+    call = {
+        "prompt": cfg.prompt,
+        "negative_prompt": cfg.negative_prompt,
+        "height": cfg.height or data.height,
+        "width": cfg.width or data.width,
+        "num_frames": cfg.frames or data.frames,
+        "num_inference_steps": cfg.steps,
+        "guidance_scale": cfg.guidance,
+    }
+    return _render(graph, call, cfg, Path(cfg.out) if cfg.out else run_dir / "samples", video=True)
+
+
+def _generate_pipeline(cfg: GenerateConfig, device: DeviceType) -> dict[str, Path]:
+    """``pipeline=DIR``: the directory's family graph; sizes the config leaves unset are the
+    pipeline's own defaults."""
+    assert cfg.pipeline is not None
+    root = check_family_dir(cfg.pipeline)  # a bad directory: refused before anything is written
+    graph = from_diffusers(root, device=device.value)
+    video = not isinstance(graph, PipelineGraph) or graph.family.output == "video"
+    call: dict[str, Any] = {"prompt": cfg.prompt, "num_inference_steps": cfg.steps, "guidance_scale": cfg.guidance}
+    if cfg.negative_prompt:
+        call["negative_prompt"] = cfg.negative_prompt
+    sizes = {"height": cfg.height, "width": cfg.width} | ({"num_frames": cfg.frames} if video else {})
+    call |= {k: v for k, v in sizes.items() if v is not None}
+    if not video and cfg.frames is not None:
+        raise ValueError(f"frames={cfg.frames}: {graph.name} generates images")
+    if cfg.image is not None:
+        call["image"] = Image.open(cfg.image).convert("RGB")
+    bind = graph.bind if isinstance(graph, PipelineGraph) else None
+    if bind is not None:
+        bind(**call)  # an argument the family does not take: refused before anything is written
+    return _render(graph, call, cfg, Path(cfg.out) if cfg.out else root / "samples", video=video)
+
+
+def _render(graph: Any, call: dict[str, Any], cfg: GenerateConfig, out_dir: Path, *, video: bool) -> dict[str, Path]:
     stem = f"{_slug(cfg.prompt)}-seed{cfg.seed}"
     record_dir = out_dir / f"{stem}-run"
     out_dir.mkdir(parents=True, exist_ok=True)
     if record_dir.exists():  # a new recording, not appended to the last one's events
         shutil.rmtree(record_dir)
     with torch.no_grad(), record_generation(graph, record_dir, per_call=("denoise",)):
-        video = graph.generate(
-            cfg.prompt,
-            cfg.negative_prompt,
-            height=cfg.height or data.height,
-            width=cfg.width or data.width,
-            num_frames=cfg.frames or data.frames,
-            num_inference_steps=cfg.steps,
-            guidance_scale=cfg.guidance,
-            seed=cfg.seed,
-        )
-    frames = frames_to_uint8(video[0])
+        out = graph.generate(**call, seed=cfg.seed, output_type="np")
+    if not video:
+        return {"png": write_png(frames_to_uint8(out[0][None])[0], out_dir / f"{stem}.png"), "run": record_dir}
+    frames = frames_to_uint8(out[0])
     return {
         "gif": write_gif(frames, out_dir / f"{stem}.gif", fps=cfg.fps),
         "mp4": write_mp4(frames, out_dir / f"{stem}.mp4", fps=cfg.fps),

@@ -68,8 +68,9 @@ class TextEncoderStage(SourcedStage):
 
     @property
     def inputs(self) -> Mapping[str, TensorSpec]:
-        ids = TensorSpec(("B", self.max_length), torch.int64)
-        optional_ids = TensorSpec(("B", self.max_length), torch.int64, required=False)
+        # "L": ``max_length`` by default; a call may pad to its own (``max_sequence_length``)
+        ids = TensorSpec(("B", "L"), torch.int64)
+        optional_ids = TensorSpec(("B", "L"), torch.int64, required=False)
         return {
             "input_ids": ids,
             "attention_mask": ids,
@@ -79,12 +80,16 @@ class TextEncoderStage(SourcedStage):
 
     @property
     def outputs(self) -> Mapping[str, TensorSpec]:
-        context = TensorSpec(("B", self.max_length, self.hidden_size))
+        context = TensorSpec(("B", "L", self.hidden_size))
         return {"context": context, "negative_context": dataclasses.replace(context, required=False)}
 
-    def tokenize(self, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
-        """Pad / truncate prompts to ``max_length`` tokens, as the diffusers pipelines do."""
-        return tokenize(self.tokenizer, prompts, max_length=self.max_length, clean=self.clean)
+    def tokenize(self, prompts: Sequence[str], max_length: int | None = None) -> dict[str, torch.Tensor]:
+        """Pad / truncate prompts to ``max_length`` tokens (the stage's by default), as the
+        diffusers pipelines do."""
+        length = self.max_length if max_length is None else max_length
+        if length <= 0:
+            raise ValueError(f"max_sequence_length must be positive, got {length}")
+        return tokenize(self.tokenizer, prompts, max_length=length, clean=self.clean)
 
     def forward(self, module: nn.Module, inputs: Mapping[str, Any], **options: Any) -> dict[str, Any]:
         out = {"context": self._encode(module, inputs["input_ids"], inputs["attention_mask"])}

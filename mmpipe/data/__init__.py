@@ -17,6 +17,7 @@ from mmpipe.data.video_io import (
     video_to_uint8,
     write_gif,
     write_mp4,
+    write_png,
 )
 
 __all__ = [
@@ -34,4 +35,5 @@ __all__ = [
     "video_to_uint8",
     "write_gif",
     "write_mp4",
+    "write_png",
 ]

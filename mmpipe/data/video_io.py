@@ -22,6 +22,7 @@ __all__ = [
     "read_video",
     "video_to_uint8",
     "write_gif",
+    "write_png",
     "write_mp4",
 ]
 
@@ -175,6 +176,15 @@ def write_mp4(frames_THWC: np.ndarray, path: str | Path, fps: int = 8, *, codec:
             frame.pts = index
             container.mux(stream.encode(frame))
         container.mux(stream.encode(None))
+    return path
+
+
+def write_png(image_HWC: np.ndarray, path: str | Path) -> Path:
+    """Write one ``uint8`` RGB image ``(H, W, 3)`` as a PNG; parent directories are created."""
+    _check_uint8_frames(image_HWC[None])
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(np.ascontiguousarray(image_HWC)).save(path)
     return path
 
 

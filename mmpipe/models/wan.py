@@ -24,7 +24,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -48,6 +48,7 @@ from transformers import (
 
 from mmpipe.config import ModelConfig
 from mmpipe.graph import Graph, TensorSpec
+from mmpipe.models.pipeline_graph import NOT_IMPLEMENTED, Family, bind_call, call_generator, prompt_list
 from mmpipe.models.shapes_vae import load_shapes_vae
 from mmpipe.stages import (
     CausalLMTextEncoderStage,
@@ -58,7 +59,7 @@ from mmpipe.stages import (
     WanVAEDecodeStage,
     WanVAEEncodeStage,
 )
-from mmpipe.stages.sampler import guidance_on, initial_noise
+from mmpipe.stages.sampler import guidance_on
 
 logger = logging.getLogger(__name__)
 
@@ -194,6 +195,143 @@ def build_full_wan_pipeline(
 SUPPORTED_PIPELINES = ("WanPipeline",)
 
 
+def is_wan21_t2v(meta: Any) -> bool:
+    """Whether a ``WanPipeline``'s ``model_index.json`` (or pipeline config) is Wan 2.1 text-to-video,
+    the graph training and serving run: one expert, no ``boundary_ratio``, no ``expand_timesteps``."""
+    if meta.get("_class_name", "WanPipeline") != "WanPipeline":
+        return False
+    second = meta.get("transformer_2")
+    two_experts = isinstance(second, list | tuple) and any(second)
+    return not two_experts and meta.get("boundary_ratio") is None and not meta.get("expand_timesteps")
+
+
+class Wan22Family(Family):
+    """``WanPipeline`` with Wan 2.2's features: two experts (``transformer`` for the high-noise
+    steps, ``transformer_2`` once the timestep falls below ``boundary_ratio * num_train_timesteps``,
+    each with its guidance scale) and TI2V's per-token timesteps (``expand_timesteps``).
+
+    Latents ``(B, Z, t, h, w)`` float32, as ``WanPipeline`` keeps them; the DiT runs in its dtype.
+    """
+
+    pipeline_cls = WanPipeline
+    denoise_components = ("transformer", "transformer_2")
+
+    def prepare_call(self, call: dict[str, Any]) -> dict[str, Any]:
+        p = self.pipe
+        p.check_inputs(
+            call["prompt"],
+            call["negative_prompt"],
+            call["height"],
+            call["width"],
+            guidance_scale_2=call["guidance_scale_2"],
+        )
+        prompt_list(call["prompt"])
+        height, width, frames = call["height"], call["width"], call["num_frames"]
+        scale_t = p.vae_scale_factor_temporal
+        if frames % scale_t != 1:
+            logger.warning("num_frames - 1 must be divisible by %d; rounding %d", scale_t, frames)
+            frames = frames // scale_t * scale_t + 1
+        frames = max(frames, 1)
+        patch = self._expert().config.patch_size
+        mh, mw = p.vae_scale_factor_spatial * patch[1], p.vae_scale_factor_spatial * patch[2]
+        if (height % mh, width % mw) != (0, 0):
+            logger.warning("height/width must be multiples of (%d, %d); rounding (%d, %d)", mh, mw, height, width)
+            height, width = height // mh * mh, width // mw * mw
+        scale_2 = call["guidance_scale_2"]
+        if p.config.boundary_ratio is not None and scale_2 is None:
+            scale_2 = call["guidance_scale"]
+        return call | {"height": height, "width": width, "num_frames": frames, "guidance_scale_2": scale_2}
+
+    def _expert(self) -> Any:
+        return self.pipe.transformer if self.pipe.transformer is not None else self.pipe.transformer_2
+
+    def guided(self, call: Mapping[str, Any]) -> bool:
+        return float(call["guidance_scale"]) > 1.0  # WanPipeline.do_classifier_free_guidance
+
+    def encode(self, call: Mapping[str, Any], guided: bool) -> dict[str, torch.Tensor]:
+        pos, neg = self.pipe.encode_prompt(
+            prompt=call["prompt"],
+            negative_prompt=call["negative_prompt"],
+            do_classifier_free_guidance=guided,
+            num_videos_per_prompt=call["num_videos_per_prompt"],
+            max_sequence_length=call["max_sequence_length"],
+            device=self.execution_device,
+        )
+        dtype = self._expert().dtype
+        out = {"prompt_embeds": pos.to(dtype)}
+        if neg is not None:
+            out["negative_prompt_embeds"] = neg.to(dtype)
+        return out
+
+    def prepare_latents(
+        self, call: Mapping[str, Any], cond: Mapping[str, torch.Tensor], generator: torch.Generator | None
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
+        expert = self._expert()
+        batch = len(prompt_list(call["prompt"])) * call["num_videos_per_prompt"]
+        latents = self.pipe.prepare_latents(
+            batch,
+            expert.config.in_channels,
+            call["height"],
+            call["width"],
+            call["num_frames"],
+            torch.float32,
+            self.execution_device,
+            generator,
+            None,
+        )
+        mask = torch.ones(latents.shape, dtype=torch.float32, device=latents.device)
+        return latents, {"mask": mask, "dtype": expert.dtype}
+
+    def set_timesteps(
+        self, scheduler: Any, call: Mapping[str, Any], latents: torch.Tensor, state: dict[str, Any]
+    ) -> torch.Tensor:
+        scheduler.set_timesteps(call["num_inference_steps"], device=latents.device)
+        scheduler.set_begin_index(0)
+        ratio = self.pipe.config.boundary_ratio
+        state["boundary"] = ratio * scheduler.config.num_train_timesteps if ratio is not None else None
+        return scheduler.timesteps
+
+    def model_for(
+        self, step: int, t: torch.Tensor, call: Mapping[str, Any], state: Mapping[str, Any]
+    ) -> tuple[str, float]:
+        if state["boundary"] is None or t >= state["boundary"]:
+            return "transformer", float(call["guidance_scale"])
+        return "transformer_2", float(call["guidance_scale_2"])
+
+    def predict(
+        self,
+        model: nn.Module,
+        latents: torch.Tensor,
+        t: torch.Tensor,
+        cond: Mapping[str, torch.Tensor],
+        call: Mapping[str, Any],
+        state: dict[str, Any],
+    ) -> torch.Tensor:
+        if self.pipe.config.expand_timesteps:  # one timestep per (2x2-patched) latent token
+            timestep = (state["mask"][0][0][:, ::2, ::2] * t).flatten().unsqueeze(0).expand(latents.shape[0], -1)
+        else:
+            timestep = t.expand(latents.shape[0])
+        return model(
+            hidden_states=latents.to(state["dtype"]),
+            timestep=timestep,
+            encoder_hidden_states=cond["prompt_embeds"],
+            attention_kwargs=call["attention_kwargs"],
+            return_dict=False,
+        )[0]
+
+    def decode(self, latents: torch.Tensor, call: Mapping[str, Any]) -> torch.Tensor:
+        return wan_vae_decode(self.pipe.vae, latents)
+
+
+def wan_vae_decode(vae: Any, latents: torch.Tensor) -> torch.Tensor:
+    """``WanPipeline``'s decode: de-normalise with the VAE's latent statistics, then decode."""
+    z = vae.config.z_dim
+    latents = latents.to(vae.dtype)
+    mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1).to(latents.device, latents.dtype)
+    inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1).to(latents.device, latents.dtype)
+    return vae.decode(latents / inv_std + mean, return_dict=False)[0]
+
+
 def build_text_stage(
     name: str, module_or_path: nn.Module | str | Path, tokenizer: Any, *, max_length: int, clean: bool = True
 ) -> TextEncoderStage:
@@ -221,8 +359,8 @@ class T2VGraph(Graph):
         self.scale_t: int = vae_cfg.scale_factor_temporal
         self.scale_s: int = vae_cfg.scale_factor_spatial
         self.video_processor = VideoProcessor(vae_scale_factor=self.scale_s)
-        ids = TensorSpec(("B", text.max_length), torch.int64)
-        opt_ids = TensorSpec(("B", text.max_length), torch.int64, required=False)
+        ids = TensorSpec(("B", "L"), torch.int64)
+        opt_ids = TensorSpec(("B", "L"), torch.int64, required=False)
         z = denoise.source.config.in_channels
         for port, spec in [("input_ids", ids), ("attention_mask", ids)]:
             self.add_input(port, spec)
@@ -257,17 +395,23 @@ class T2VGraph(Graph):
         return fh, fw, num_frames
 
     def prompt_inputs(
-        self, prompts: Sequence[str], negative_prompt: str | Sequence[str] | None, guidance_scale: float
+        self,
+        prompts: Sequence[str],
+        negative_prompt: str | Sequence[str] | None,
+        guidance_scale: float,
+        *,
+        max_sequence_length: int | None = None,
     ) -> dict[str, Any]:
         """The text stage's inputs: the prompts' tokens, and the negative prompts' (``""`` by
-        default) when guidance is on (see :func:`~mmpipe.stages.sampler.guidance_on`)."""
-        inputs: dict[str, Any] = self.text.tokenize(prompts)
+        default) when guidance is on (see :func:`~mmpipe.stages.sampler.guidance_on`), padded to
+        ``max_sequence_length`` (the stage's ``max_length`` by default)."""
+        inputs: dict[str, Any] = self.text.tokenize(prompts, max_sequence_length)
         if guidance_on(guidance_scale):
             neg = negative_prompt or ""
             negs = [neg] * len(prompts) if isinstance(neg, str) else list(neg)
             if len(negs) != len(prompts):
                 raise ValueError(f"negative_prompt has {len(negs)} entries but prompt has {len(prompts)}")
-            neg_tok = self.text.tokenize(negs)
+            neg_tok = self.text.tokenize(negs, max_sequence_length)
             inputs |= {"negative_input_ids": neg_tok["input_ids"], "negative_attention_mask": neg_tok["attention_mask"]}
         return inputs
 
@@ -276,38 +420,53 @@ class T2VGraph(Graph):
         z = self.denoise.source.config.in_channels
         return batch, z, (num_frames - 1) // self.scale_t + 1, height // self.scale_s, width // self.scale_s
 
-    def generate(
-        self,
-        prompt: str | Sequence[str],
-        negative_prompt: str | Sequence[str] | None = None,
-        *,
-        height: int = 480,
-        width: int = 832,
-        num_frames: int = 81,
-        num_inference_steps: int = 50,
-        guidance_scale: float = 5.0,
-        seed: int | None = None,
-        output_type: str = "np",
-        progress: bool = True,
-    ) -> Any:
-        """Prompt(s) -> frames ``(B, T, H, W, 3)`` in [0, 1] (``output_type="np"``), like ``WanPipeline``."""
-        prompts = [prompt] if isinstance(prompt, str) else list(prompt)
-        if not prompts:
-            raise ValueError("prompt must be a non-empty string or list of strings")
-        height, width, num_frames = self._fit_size(height, width, num_frames)
-        inputs = self.prompt_inputs(prompts, negative_prompt, guidance_scale)
+    def generate(self, *args: Any, seed: int | None = None, progress: bool = True, **kwargs: Any) -> Any:
+        """``WanPipeline.__call__(*args, **kwargs)``'s ``frames`` (``output_type="np"``: ``(B, T, H,
+        W, 3)`` in [0, 1]) computed by the graph's stages, with the noise of
+        ``generator=torch.Generator().manual_seed(seed)`` unless a ``generator`` is given.
+
+        Prompts are padded to the graph's ``max_sequence_length`` (``from_diffusers``'s) unless the
+        call gives its own. Wan 2.2's ``guidance_scale_2`` and ``attention_kwargs`` belong to
+        :class:`Wan22Family`'s graph; an argument ``__call__`` does not take is a ``TypeError``.
+        """
+        call = bind_call(WanPipeline, args, kwargs, not_implemented=NOT_IMPLEMENTED | {"attention_kwargs"})
+        if call["guidance_scale_2"] is not None:
+            raise ValueError("guidance_scale_2 is only supported when the pipeline's boundary_ratio is not None")
+        prompts = prompt_list(call["prompt"])
+        negative_prompt = call["negative_prompt"]
+        if negative_prompt is not None and not isinstance(negative_prompt, str):
+            negative_prompt = list(negative_prompt)
+            if len(negative_prompt) != len(prompts):
+                raise ValueError(f"negative_prompt has {len(negative_prompt)} entries but prompt has {len(prompts)}")
+        repeat = int(call["num_videos_per_prompt"])
+        if repeat < 1:
+            raise ValueError(f"num_videos_per_prompt must be >= 1, got {repeat}")
+        # WanPipeline repeats each prompt's embeddings num_videos_per_prompt times, in place
+        prompts = [p for p in prompts for _ in range(repeat)]
+        if isinstance(negative_prompt, list):
+            negative_prompt = [p for p in negative_prompt for _ in range(repeat)]
+        height, width, num_frames = self._fit_size(call["height"], call["width"], call["num_frames"])
+        length = call["max_sequence_length"] if "max_sequence_length" in kwargs else None
+        guidance_scale = float(call["guidance_scale"])
+        inputs = self.prompt_inputs(prompts, negative_prompt, guidance_scale, max_sequence_length=length)
+        shape = self.latent_shape(len(prompts), num_frames, height, width)
+        generator = call_generator(call, seed)
         # Stage.__call__ moves the (CPU-drawn) noise to the denoiser's device.
-        inputs["noise"] = initial_noise(self.latent_shape(len(prompts), num_frames, height, width), seed)
+        inputs["noise"] = torch.randn(shape, generator=generator, dtype=torch.float32, device="cpu")
         options = {
             "denoise": {
-                "num_inference_steps": num_inference_steps,
+                "num_inference_steps": call["num_inference_steps"],
                 "guidance_scale": guidance_scale,
                 "progress": progress,
             }
         }
         with torch.no_grad():
-            video = self.run(inputs, options)["decode"]["video"]
-        return self.video_processor.postprocess_video(video, output_type=output_type)
+            latents_or_video = self.run(inputs, options)
+        if call["output_type"] == "latent":
+            return latents_or_video["denoise"]["latents"]
+        return self.video_processor.postprocess_video(
+            latents_or_video["decode"]["video"], output_type=call["output_type"]
+        )
 
 
 def from_diffusers(

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from mmpipe.config import TraceConfig
 from mmpipe.report.analysis import read_memory
@@ -205,8 +206,11 @@ def record_generation(graph: Any, run_dir: Path, *, per_call: tuple[str, ...] = 
     for name, stage in graph.stages.items():
         if name in per_call:
             started: list[float] = []
-            hooks.append(stage.module.register_forward_pre_hook(lambda m, a, s=started: s.append(time.perf_counter())))
-            hooks.append(stage.module.register_forward_hook(lambda m, a, o, n=name, s=started: record(n, s.pop())))
+            # a family graph's denoiser holds its experts in a ModuleDict: each one's calls count
+            modules = list(stage.module.values()) if isinstance(stage.module, nn.ModuleDict) else [stage.module]
+            for module in modules:
+                hooks.append(module.register_forward_pre_hook(lambda m, a, s=started: s.append(time.perf_counter())))
+                hooks.append(module.register_forward_hook(lambda m, a, o, n=name, s=started: record(n, s.pop())))
         else:
             wrapped.append((stage, stage.__dict__.get("forward")))
             stage.forward = timed(name, stage.forward)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -68,8 +69,12 @@ def test_float_accepts_int_and_optional_accepts_none() -> None:
     assert from_dict(DataConfig, {"root": None}).root is None
 
 
-def test_generate_requires_a_run_dir() -> None:
-    with pytest.raises(ValueError, match="ckpt is required"):
+def test_generate_requires_a_run_dir_or_a_pipeline(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="give exactly one of ckpt and pipeline"):
         GenerateConfig()
+    with pytest.raises(ValueError, match="give exactly one of ckpt and pipeline.*ckpt='a' pipeline='b'"):
+        GenerateConfig(ckpt="a", pipeline="b")
+    with pytest.raises(ValueError, match="image='/nope.png' is not a file"):
+        GenerateConfig(pipeline=str(tmp_path), image="/nope.png")
     with pytest.raises(ValueError, match="ckpt='/nope' is not a run directory"):
         GenerateConfig(ckpt="/nope")

@@ -1,0 +1,496 @@
+"""What every diffusers family's inference graph shares: the call binding, the three stages and the
+denoising loop driving the pipeline's own scheduler, with classifier-free guidance.
+
+A family (``mmpipe.models.flux``, ``mmpipe.models.ltx``, ...) is a :class:`Family` subclass: the
+few pieces of its pipeline's ``__call__`` that differ between pipelines (how prompts are encoded,
+how the initial latents and their side tensors are drawn, how the scheduler is set, one
+transformer call, the guidance formula, the decode). Each piece calls the pipeline's own methods
+(``encode_prompt``, ``prepare_latents``, ``_unpack_latents``, ...) where the pipeline has one, so
+the graph returns the pipeline's output for the same seed by construction, and mmpipe's code is the
+loop around them::
+
+    text (options: the call's prompt, negative_prompt, image, ...) -> {port, negative_port, ...}
+    text.* -> denoise (draws the initial latents from the call's generator) -> latents
+    denoise.latents -> decode -> pixels -> the pipeline's post-processing
+
+Adding a family: one module with a :class:`Family` subclass, one line in :data:`FAMILY_MODULES`,
+and a parity test against the pipeline on tiny random components (``tests/families/``).
+
+Legend: B batch, N tokens, C channels; a family's own docstring names its latent layout.
+"""
+
+from __future__ import annotations
+
+import abc
+import copy
+import importlib
+import inspect
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from diffusers import DiffusionPipeline
+from safetensors import SafetensorError, safe_open
+from torch import nn
+from tqdm.auto import tqdm
+
+from mmpipe.errors import loading_errors
+from mmpipe.graph import Graph, Stage, TensorSpec
+
+#: diffusers pipeline class name -> "module:Family class" (imported on first use)
+FAMILY_MODULES: dict[str, str] = {
+    "WanPipeline": "mmpipe.models.wan:Wan22Family",
+    "WanImageToVideoPipeline": "mmpipe.models.wan_i2v:WanI2VFamily",
+    "HunyuanVideoPipeline": "mmpipe.models.hunyuan:HunyuanVideoFamily",
+    "CogVideoXPipeline": "mmpipe.models.cogvideox:CogVideoXFamily",
+    "LTXPipeline": "mmpipe.models.ltx:LTXFamily",
+    "FluxPipeline": "mmpipe.models.flux:FluxFamily",
+    "QwenImagePipeline": "mmpipe.models.qwenimage:QwenImageFamily",
+}
+
+#: ``__call__`` arguments no family's graph implements: precomputed embeddings and latents (the
+#: graph computes them), step callbacks (the loop is mmpipe's), ``return_dict`` (the graph returns
+#: the frames / images array itself). Passing one with a non-default value is a ``ValueError``.
+NOT_IMPLEMENTED = frozenset(
+    {
+        "prompt_embeds",
+        "negative_prompt_embeds",
+        "pooled_prompt_embeds",
+        "negative_pooled_prompt_embeds",
+        "prompt_attention_mask",
+        "negative_prompt_attention_mask",
+        "prompt_embeds_mask",
+        "negative_prompt_embeds_mask",
+        "image_embeds",
+        "latents",
+        "callback_on_step_end",
+        "callback_on_step_end_tensor_inputs",
+        "callback",
+        "callback_steps",
+        "return_dict",
+        "ip_adapter_image",
+        "ip_adapter_image_embeds",
+        "negative_ip_adapter_image",
+        "negative_ip_adapter_image_embeds",
+    }
+)
+
+#: ``generate`` keywords of mmpipe's own (not the pipeline's): the seed of a CPU generator, as
+#: ``pipe(..., generator=torch.Generator().manual_seed(seed))``, and the progress bar
+OWN_KEYWORDS = ("seed", "progress")
+
+
+def bind_call(
+    pipeline_cls: type, args: Sequence[Any], kwargs: Mapping[str, Any], *, not_implemented: frozenset[str]
+) -> dict[str, Any]:
+    """``pipeline_cls.__call__``'s arguments for ``args`` / ``kwargs`` with its defaults filled in.
+
+    An argument ``__call__`` does not take is a ``TypeError`` naming it (Python's own message, as the
+    pipeline would raise); one mmpipe does not implement (``not_implemented``) given with a value
+    other than its default is a ``ValueError`` naming it.
+    """
+    sig = inspect.signature(pipeline_cls.__call__)
+    try:
+        bound = sig.bind_partial(None, *args, **kwargs)  # None: self
+    except TypeError as err:
+        raise TypeError(f"{pipeline_cls.__name__}.__call__: {err}") from None
+    given = dict(bound.arguments)
+    given.pop(next(iter(sig.parameters)))
+    for name in sorted(given):
+        default = sig.parameters[name].default
+        if name in not_implemented and given[name] is not default:
+            raise ValueError(
+                f"{pipeline_cls.__name__}.__call__ argument {name}={_short(given[name])} is not supported by "
+                "mmpipe's graph (it computes embeddings and latents itself, and returns the output array)"
+            )
+    call = {
+        name: p.default
+        for name, p in list(sig.parameters.items())[1:]
+        if p.default is not inspect.Parameter.empty and p.kind is not inspect.Parameter.VAR_KEYWORD
+    }
+    return call | given
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def call_generator(call: Mapping[str, Any], seed: int | None) -> torch.Generator | None:
+    """The call's generator: its own ``generator``, else a CPU one seeded with ``seed`` (``None``:
+    fresh entropy), as ``pipe(..., generator=torch.Generator().manual_seed(seed))``."""
+    if call.get("generator") is not None:
+        if seed is not None:
+            raise ValueError("pass either seed or generator, not both")
+        return call["generator"]
+    return torch.Generator().manual_seed(seed) if seed is not None else None
+
+
+def prompt_list(prompt: Any, name: str = "prompt") -> list[str]:
+    """``prompt`` (a string or a list of strings) as a non-empty list."""
+    prompts = [prompt] if isinstance(prompt, str) else list(prompt) if prompt is not None else []
+    if not prompts or not all(isinstance(p, str) for p in prompts):
+        raise ValueError(f"{name} must be a non-empty string or list of strings, got {_short(prompt)}")
+    return prompts
+
+
+class Family(abc.ABC):
+    """One diffusers pipeline class as the hooks of the shared graph (see the module docstring).
+
+    ``call`` below is the bound ``__call__`` arguments (:func:`bind_call`) after :meth:`prepare_call`
+    (sizes rounded as the pipeline rounds them, so :meth:`decode` can read them); ``state`` is what
+    :meth:`prepare_latents` returned beside the latents (ids, masks, condition latents): read by
+    :meth:`set_timesteps`, :meth:`predict`, :meth:`guide` and :meth:`step`.
+    """
+
+    pipeline_cls: ClassVar[type]
+    #: what ``generate`` returns: the pipeline output's ``frames`` (video) or ``images`` (image)
+    output: ClassVar[str] = "video"
+    #: the pipeline's components each stage owns (a ``None`` component is left out)
+    text_components: ClassVar[tuple[str, ...]] = ("text_encoder",)
+    denoise_components: ClassVar[tuple[str, ...]] = ("transformer",)
+    decode_components: ClassVar[tuple[str, ...]] = ("vae",)
+    #: the text stage's output ports (each has an optional ``negative_<port>`` twin)
+    condition_ports: ClassVar[tuple[str, ...]] = ("prompt_embeds",)
+    not_implemented: ClassVar[frozenset[str]] = NOT_IMPLEMENTED
+
+    def __init__(self, pipe: Any) -> None:
+        """Wrap ``pipe``; a subclass raises ``ValueError`` here for a pipeline it cannot run."""
+        self.pipe = pipe
+
+    # ---- the call ----------------------------------------------------------------------------
+    def prepare_call(self, call: dict[str, Any]) -> dict[str, Any]:
+        """Validate and round ``call`` as the pipeline's ``__call__`` does before encoding (its
+        ``check_inputs``, size rounding); returns the call to run."""
+        return call
+
+    @abc.abstractmethod
+    def guided(self, call: Mapping[str, Any]) -> bool:
+        """Whether the call runs a second (negative / unconditional) branch each step."""
+
+    @property
+    def execution_device(self) -> torch.device:
+        return torch.device(self.pipe._execution_device)
+
+    # ---- stages --------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def encode(self, call: Mapping[str, Any], guided: bool) -> dict[str, torch.Tensor]:
+        """The condition ports (``negative_*`` too when ``guided``) for ``call``'s prompts / image."""
+
+    @abc.abstractmethod
+    def prepare_latents(
+        self, call: Mapping[str, Any], cond: Mapping[str, torch.Tensor], generator: torch.Generator | None
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
+        """The initial latents (drawn from ``generator`` exactly as the pipeline draws them) and
+        the state the loop and the decode read."""
+
+    @abc.abstractmethod
+    def set_timesteps(
+        self, scheduler: Any, call: Mapping[str, Any], latents: torch.Tensor, state: dict[str, Any]
+    ) -> torch.Tensor:
+        """Set ``scheduler`` (a private copy) for the call as the pipeline does; its timesteps."""
+
+    def model_for(
+        self, step: int, t: torch.Tensor, call: Mapping[str, Any], state: Mapping[str, Any]
+    ) -> tuple[str, float]:
+        """The denoiser component and the guidance scale of step ``step`` (two-expert families
+        switch both at a boundary)."""
+        return self.denoise_components[0], float(call["guidance_scale"])
+
+    @abc.abstractmethod
+    def predict(
+        self,
+        model: nn.Module,
+        latents: torch.Tensor,
+        t: torch.Tensor,
+        cond: Mapping[str, torch.Tensor],
+        call: Mapping[str, Any],
+        state: dict[str, Any],
+    ) -> torch.Tensor:
+        """One transformer call on one branch's condition (``cond`` holds the unprefixed ports)."""
+
+    def guide(
+        self,
+        pred: torch.Tensor,
+        pred_uncond: torch.Tensor,
+        scale: float,
+        call: Mapping[str, Any],
+        state: dict[str, Any],
+    ) -> torch.Tensor:
+        """Classifier-free guidance, the diffusers formula."""
+        return pred_uncond + scale * (pred - pred_uncond)
+
+    def step(
+        self, scheduler: Any, pred: torch.Tensor, t: torch.Tensor, latents: torch.Tensor, state: dict[str, Any]
+    ) -> torch.Tensor:
+        """One scheduler step."""
+        return scheduler.step(pred, t, latents, return_dict=False)[0]
+
+    @abc.abstractmethod
+    def decode(self, latents: torch.Tensor, call: Mapping[str, Any]) -> torch.Tensor:
+        """The denoised latents as the pixel tensor the pipeline post-processes."""
+
+    def postprocess(self, pixels: torch.Tensor, call: Mapping[str, Any]) -> Any:
+        """What the pipeline returns in ``frames`` / ``images`` for ``call["output_type"]``."""
+        if call.get("output_type") == "latent":
+            return pixels
+        if self.output == "video":
+            return self.pipe.video_processor.postprocess_video(pixels, output_type=call["output_type"])
+        return self.pipe.image_processor.postprocess(pixels, output_type=call["output_type"])
+
+
+def condition_specs(family: Family) -> dict[str, TensorSpec]:
+    """The condition ports: each of the family's, and its optional ``negative_`` twin."""
+    ports = {p: TensorSpec() for p in family.condition_ports}
+    return ports | {f"negative_{p}": TensorSpec(required=False) for p in family.condition_ports}
+
+
+def _components(pipe: Any, names: Sequence[str]) -> nn.ModuleDict:
+    return nn.ModuleDict({n: m for n in names if isinstance(m := getattr(pipe, n, None), nn.Module)})
+
+
+class _FamilyStage(Stage):
+    """A stage whose module is some of the pipeline's components (the same objects, no copy)."""
+
+    def __init__(self, name: str, family: Family, components: Sequence[str]) -> None:
+        super().__init__(name, frozen=True)
+        self.family = family
+        self._module = _components(family.pipe, components)
+
+    def build(self) -> nn.Module:
+        module: Any = self.module
+        return _components(self.family.pipe, list(module.keys()))
+
+    def device(self) -> torch.device:
+        # The pipeline's execution device: stages of one pipeline object share it.
+        return self.family.execution_device
+
+
+class ConditionStage(_FamilyStage):
+    """Prompts (and an image, for image-conditioned families) -> the family's condition ports."""
+
+    kind = "text_encoder"
+
+    @property
+    def inputs(self) -> Mapping[str, TensorSpec]:
+        return {}
+
+    @property
+    def outputs(self) -> Mapping[str, TensorSpec]:
+        return condition_specs(self.family)
+
+    def forward(self, module: nn.Module, inputs: Mapping[str, Any], **options: Any) -> dict[str, Any]:
+        return self.family.encode(options["call"], options["guided"])
+
+
+class DenoiseLoopStage(_FamilyStage):
+    """Condition ports -> denoised latents: the initial latents drawn as the pipeline draws them,
+    then the loop every family shares."""
+
+    kind = "denoise"
+
+    @property
+    def inputs(self) -> Mapping[str, TensorSpec]:
+        return condition_specs(self.family)
+
+    @property
+    def outputs(self) -> Mapping[str, TensorSpec]:
+        return {"latents": TensorSpec()}
+
+    def forward(self, module: nn.Module, inputs: Mapping[str, Any], **options: Any) -> dict[str, Any]:
+        """Options: ``call`` and ``guided`` (required), ``generator``, ``progress``."""
+        call: Mapping[str, Any] = options["call"]
+        guided: bool = options["guided"]
+        experts: Any = module
+        fam = self.family
+        ports = fam.condition_ports
+        cond = {p: inputs[p] for p in ports if p in inputs}
+        uncond = {p: inputs[f"negative_{p}"] for p in ports if f"negative_{p}" in inputs} if guided else None
+        if guided and not uncond:
+            raise ValueError(f"stage {self.name!r}: a guided call needs the negative condition ports")
+        latents, state = fam.prepare_latents(call, cond, options.get("generator"))
+        # A private scheduler: schedulers are stateful (step index, multistep history).
+        scheduler = copy.deepcopy(fam.pipe.scheduler)
+        timesteps = fam.set_timesteps(scheduler, call, latents, state)
+        for i, t in enumerate(tqdm(timesteps, desc=self.name, disable=not options.get("progress", False), leave=False)):
+            state["step"] = i
+            component, scale = fam.model_for(i, t, call, state)
+            model = experts[component]
+            pred = fam.predict(model, latents, t, cond, call, state)
+            if uncond is not None:
+                pred_u = fam.predict(model, latents, t, uncond, call, state)
+                pred = fam.guide(pred, pred_u, scale, call, state)
+            latents = fam.step(scheduler, pred, t, latents, state)
+        return {"latents": latents}
+
+
+class DecodeStage(_FamilyStage):
+    """Denoised latents -> pixels (the tensor the pipeline post-processes)."""
+
+    kind = "vae_decode"
+
+    @property
+    def inputs(self) -> Mapping[str, TensorSpec]:
+        return {"latents": TensorSpec()}
+
+    @property
+    def outputs(self) -> Mapping[str, TensorSpec]:
+        return {"pixels": TensorSpec()}
+
+    def forward(self, module: nn.Module, inputs: Mapping[str, Any], **options: Any) -> dict[str, Any]:
+        call: Mapping[str, Any] = options["call"]
+        if call.get("output_type") == "latent":  # as the pipelines return them
+            return {"pixels": inputs["latents"]}
+        return {"pixels": self.family.decode(inputs["latents"], call)}
+
+
+class PipelineGraph(Graph):
+    """A diffusers pipeline as ``text -> denoise -> decode`` whose :meth:`generate` takes the
+    pipeline's ``__call__`` arguments and returns what the pipeline returns in ``frames`` (video
+    families) or ``images`` (image families)."""
+
+    def __init__(self, family: Family) -> None:
+        super().__init__(f"{type(family.pipe).__name__}_inference")
+        self.family = family
+        self.pipe = family.pipe
+        self.text = ConditionStage("text", family, family.text_components)
+        self.denoise = DenoiseLoopStage("denoise", family, family.denoise_components)
+        self.decode = DecodeStage("decode", family, family.decode_components)
+        for stage in (self.text, self.denoise, self.decode):
+            self.add_stage(stage)
+        for port in family.condition_ports:
+            self.connect(f"text.{port}", f"denoise.{port}")
+            self.connect(f"text.negative_{port}", f"denoise.negative_{port}")
+        self.connect("denoise.latents", "decode.latents")
+        self.validate()
+
+    def bind(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The prepared call of ``generate(*args, **kwargs)`` (mmpipe's own keywords excluded)."""
+        fam = self.family
+        call = bind_call(fam.pipeline_cls, args, kwargs, not_implemented=fam.not_implemented)
+        return fam.prepare_call(call)
+
+    def generate(self, *args: Any, seed: int | None = None, progress: bool = True, **kwargs: Any) -> Any:
+        """``pipe(*args, **kwargs)``'s ``frames`` / ``images`` computed by the graph's stages, with
+        ``generator=torch.Generator().manual_seed(seed)`` unless a ``generator`` is given."""
+        fam = self.family
+        call = self.bind(*args, **kwargs)
+        generator = call_generator(call, seed)
+        guided = fam.guided(call)
+        options: dict[str, dict[str, Any]] = {
+            "text": {"call": call, "guided": guided},
+            "denoise": {"call": call, "guided": guided, "generator": generator, "progress": progress},
+            "decode": {"call": call},
+        }
+        with torch.no_grad():
+            out = self.run({}, options)
+        return fam.postprocess(out["decode"]["pixels"], call)
+
+
+def family_for(pipe: Any) -> type[Family]:
+    """The :class:`Family` of a pipeline object (its exact class), or a ``ValueError`` listing the
+    supported pipelines."""
+    name = type(pipe).__name__
+    if name not in FAMILY_MODULES:
+        raise ValueError(f"from_diffusers: {name} is not supported; supported pipelines: {sorted(FAMILY_MODULES)}")
+    module, _, cls = FAMILY_MODULES[name].partition(":")
+    family: type[Family] = getattr(importlib.import_module(module), cls)
+    if type(pipe) is not family.pipeline_cls:
+        raise ValueError(f"from_diffusers: {name} is not supported; supported pipelines: {sorted(FAMILY_MODULES)}")
+    return family
+
+
+def pipeline_graph(pipe: DiffusionPipeline) -> PipelineGraph:
+    """The shared graph of ``pipe`` through its family."""
+    return PipelineGraph(family_for(pipe)(pipe))
+
+
+def check_family_dir(path: str | Path, *, key: str = "pipeline") -> Path:
+    """``path`` as a local diffusers directory of a supported pipeline class, checked from its
+    ``model_index.json``, component folders and safetensors headers without loading any weights;
+    raises ``ValueError`` naming ``key``, the directory and what is wrong."""
+    root = Path(path)
+    where = f"{key}={str(root)!r}"
+    index = root / "model_index.json"
+    if not index.is_file():
+        raise ValueError(
+            f"{where} is not a local diffusers pipeline directory (no model_index.json); "
+            "mmpipe never downloads from a hub at run time"
+        )
+    try:
+        meta = json.loads(index.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{where}: model_index.json is not readable JSON ({err})") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{where}: model_index.json is not a JSON object")
+    name = meta.get("_class_name")
+    if name not in FAMILY_MODULES:
+        raise ValueError(
+            f"{where}: model_index.json's _class_name={name!r} is not supported; supported: {sorted(FAMILY_MODULES)}"
+        )
+    for component, entry in meta.items():
+        if component.startswith("_") or not isinstance(entry, list) or entry == [None, None]:
+            continue
+        if not (root / component).is_dir():
+            raise ValueError(f"{where}: the {component} folder is missing")
+        for weights in sorted((root / component).glob("*.safetensors")):
+            try:  # the header only (microseconds, memory-mapped): catches truncated and corrupt files
+                with safe_open(weights, framework="pt") as f:
+                    f.keys()
+            except (SafetensorError, OSError) as err:
+                raise ValueError(
+                    f"{where}: {weights.relative_to(root)} is not a readable safetensors file ({err})"
+                ) from None
+    return root
+
+
+def from_diffusers(
+    path_or_pipeline: str | Path | DiffusionPipeline,
+    *,
+    max_sequence_length: int | None = None,
+    device: str | torch.device | None = None,
+) -> Graph:
+    """A diffusers pipeline (a local directory or an object) as an mmpipe inference graph.
+
+    The family is recognised from ``model_index.json``'s ``_class_name`` (or the object's class);
+    the graph's stages wrap the pipeline's own modules (no copy). Wan 2.1 text-to-video returns
+    :class:`~mmpipe.models.wan.T2VGraph` (the graph training and serving run), whose prompts are
+    padded to ``max_sequence_length`` (default 512, ``WanPipeline``'s) unless ``generate`` is
+    given its own; every other family returns a :class:`PipelineGraph`, where
+    ``max_sequence_length`` is a ``generate`` argument as in the pipeline's ``__call__``. With a
+    ``device``, the modules are placed there (bf16 on CUDA but for the VAE, which stays float32).
+    """
+    from mmpipe.models import wan  # the Wan module imports this one
+
+    if isinstance(path_or_pipeline, DiffusionPipeline):
+        pipe: Any = path_or_pipeline
+        family_for(pipe)
+    else:
+        root = check_family_dir(path_or_pipeline)
+        meta = json.loads((root / "model_index.json").read_text())
+        if wan.is_wan21_t2v(meta):
+            return wan.from_diffusers(root, max_sequence_length=max_sequence_length or 512, device=device)
+        dtypes = component_dtypes(meta, device) if device is not None else {}
+        with loading_errors(f"{meta['_class_name']} from {str(root)!r}"):
+            pipe = DiffusionPipeline.from_pretrained(root, **({"dtype": dtypes} if dtypes else {}))
+    if wan.is_wan21_t2v(pipe.config) and type(pipe).__name__ == "WanPipeline":
+        return wan.from_diffusers(pipe, max_sequence_length=max_sequence_length or 512, device=device)
+    if max_sequence_length is not None:
+        raise ValueError(
+            f"from_diffusers: max_sequence_length is a generate() argument for {type(pipe).__name__}, "
+            "as in the pipeline's __call__"
+        )
+    graph = pipeline_graph(pipe)
+    if device is not None:
+        pipe.to(device)
+    return graph
+
+
+def component_dtypes(meta: Mapping[str, Any], device: str | torch.device | None) -> dict[str, torch.dtype]:
+    """Load dtypes on ``device``: on CUDA bf16 for every component but the VAE (float32, as the
+    video model cards load it); on CPU none (float32 as saved)."""
+    if device is None or torch.device(device).type != "cuda":
+        return {}
+    return {"default": torch.bfloat16, "vae": torch.float32}
