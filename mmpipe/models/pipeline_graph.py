@@ -395,8 +395,7 @@ def family_for(pipe: Any) -> type[Family]:
     name = type(pipe).__name__
     if name not in FAMILY_MODULES:
         raise ValueError(f"from_diffusers: {name} is not supported; supported pipelines: {sorted(FAMILY_MODULES)}")
-    module, _, cls = FAMILY_MODULES[name].partition(":")
-    family: type[Family] = getattr(importlib.import_module(module), cls)
+    family = family_class(name)
     if type(pipe) is not family.pipeline_cls:
         raise ValueError(f"from_diffusers: {name} is not supported; supported pipelines: {sorted(FAMILY_MODULES)}")
     return family
@@ -494,3 +493,12 @@ def component_dtypes(meta: Mapping[str, Any], device: str | torch.device | None)
     if device is None or torch.device(device).type != "cuda":
         return {}
     return {"default": torch.bfloat16, "vae": torch.float32}
+
+
+def family_class(pipeline_class: str) -> type[Family]:
+    """The :class:`Family` registered for a pipeline class name (imported on first use)."""
+    if pipeline_class not in FAMILY_MODULES:
+        raise ValueError(f"{pipeline_class} is not supported; supported pipelines: {sorted(FAMILY_MODULES)}")
+    module, _, cls = FAMILY_MODULES[pipeline_class].partition(":")
+    family: type[Family] = getattr(importlib.import_module(module), cls)
+    return family

@@ -68,6 +68,7 @@ class ServingEngine(Protocol):
     healthy: bool  # False while the worker groups restart, and for good once restarts are used up
     restarting: bool  # the worker groups are restarting (healthy again soon)
     fatal: str | None  # why it is not healthy
+    output: str  # "video", or "image" for an image family (Flux, Qwen-Image): no /v1/videos
 
     def submit(self, request: GenerationRequest) -> Job: ...
 
@@ -142,6 +143,10 @@ async def create_video(request: Request) -> JSONResponse:
     """Validate, queue and describe a video job."""
     engine = _engine(request)
     body = parse_body(VideoBody, await _read_body(request))
+    if engine.output == "image":
+        raise ApiError(
+            400, f"model {engine.model_id!r} generates images: use POST /v1/images/generations", param="model"
+        )
     job = _submit(engine, build_video_request(body, engine.cfg, engine.model_id))
     return JSONResponse(video_object(job, engine))
 

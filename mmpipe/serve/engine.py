@@ -19,6 +19,12 @@ Per group, one loop (:class:`_GroupWorker`) interleaves its stages:
   ``graph.generate`` with the same seed, whatever the batching;
 * decode: the VAE decodes each finished latent and the frames go back to the front end.
 
+Every other family (a ``pipeline`` directory of Wan 2.2, Wan I2V, HunyuanVideo, CogVideoX, LTX,
+Flux, Qwen-Image: :mod:`mmpipe.models.pipeline_graph`) is served *whole-request*: each group of the
+placement runs all three stages of a request (``graph.generate``), one request at a time, so its
+output is bitwise what ``graph.generate`` gives for the seed; the groups are replicas, and a request
+goes to the least loaded one. Its placement must give every stage the same groups.
+
 A stage that raises fails only the request it ran for (a batch that raises is re-run request by
 request to find it); the front end then tells the other groups to drop it. Cancelling, a client
 disconnect or a timeout drops a request the same way.
@@ -54,6 +60,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import datetime
+import json
 import logging
 import os
 import queue
@@ -76,7 +83,8 @@ from mmpipe.config import ServeConfig, to_dict
 from mmpipe.data import caption_vocabulary, frames_to_uint8
 from mmpipe.devices import DeviceType, rank_device, resolve_device
 from mmpipe.errors import ServeStartError, cause, loading_errors
-from mmpipe.models.wan import check_pipeline_dir, from_diffusers, save_tiny_wan_pipeline
+from mmpipe.models.pipeline_graph import FAMILY_MODULES, PipelineGraph, check_family_dir, family_class, from_diffusers
+from mmpipe.models.wan import check_pipeline_dir, is_wan21_t2v, save_tiny_wan_pipeline
 from mmpipe.report.recording import MemorySampler
 from mmpipe.runtime import procs
 from mmpipe.runtime.events import EventRecorder
@@ -113,6 +121,8 @@ def default_graph(spec: dict[str, Any]) -> Any:
     if spec.get("ckpt"):
         return load_trained_graph(Path(spec["ckpt"]))
     with loading_errors(f"pipeline={str(spec['pipeline'])!r}"):
+        if spec.get("family"):  # whole-request serving; place_stages moves its modules
+            return from_diffusers(spec["pipeline"])
         if spec.get("device", "cpu") == DeviceType.CUDA:
             pipe = load_wan_pipeline(spec["pipeline"])
             return from_diffusers(pipe, max_sequence_length=spec["text_len"])
@@ -147,6 +157,10 @@ class Engine:
         if metrics is None:
             metrics = ServeMetrics()
         self.device = resolve_device(cfg.device, key="device")  # before anything is written or started
+        #: the pipeline class of a family served whole-request (None: Wan 2.1, pipelined by stage)
+        self.family = _whole_request_family(cfg)
+        #: what a request renders: "image" for image families, else "video"
+        self.output = family_class(self.family).output if self.family else "video"
         cfg = self._placed(cfg)
         self.cfg = cfg
         self.model_id = cfg.model_name
@@ -189,7 +203,18 @@ class Engine:
         """``cfg`` with the placement to run: the device's default when none was given."""
 
         gpus = torch.cuda.device_count() if self.device is DeviceType.CUDA else 0
-        return dataclasses.replace(cfg, placement=resolve_placement(cfg.placement, self.device, gpus))
+        if self.family is None:
+            return dataclasses.replace(cfg, placement=resolve_placement(cfg.placement, self.device, gpus))
+        if cfg.placement is None:  # replicas: every group runs every stage
+            groups = list(range(2 if self.device is DeviceType.CPU else max(1, gpus)))
+            return dataclasses.replace(cfg, placement={s: list(groups) for s in ("text", "denoise", "decode")})
+        for stage in ("text", "decode"):
+            if sorted(cfg.placement[stage]) != sorted(cfg.placement["denoise"]):
+                raise ValueError(
+                    f"placement.{stage}={cfg.placement[stage]}: {self.family} is served whole-request, so every "
+                    f"stage needs the groups of placement.denoise={cfg.placement['denoise']}"
+                )
+        return cfg
 
     @property
     def _placement(self) -> dict[str, Any]:
@@ -205,6 +230,10 @@ class Engine:
             check_trained_run(Path(cfg.ckpt))
             return {"ckpt": cfg.ckpt}
         if cfg.pipeline:
+            if self.family is not None:
+                if cfg.text_len:
+                    raise ValueError(f"text_len={cfg.text_len}: {self.family} pads prompts as its pipeline does")
+                return {"pipeline": cfg.pipeline, "family": self.family}
             check_pipeline_dir(cfg.pipeline)
             return {"pipeline": cfg.pipeline, "text_len": cfg.text_len or 512}  # WanPipeline.__call__'s default
 
@@ -295,9 +324,13 @@ class Engine:
             if unfinished >= self.cfg.max_queue:
                 self.metrics.request_finished("rejected")
                 raise QueueFull(self.cfg.max_queue, retry_after=self._retry_after(unfinished))
-            text = self._least_loaded("text", None)
-            denoise = self._least_loaded("denoise", text)
-            route = _Route(text, denoise, self._least_loaded("decode", denoise))
+            if self.family is not None:  # whole-request: one group runs every stage
+                group = self._least_loaded("denoise", None)
+                route = _Route(group, group, group)
+            else:
+                text = self._least_loaded("text", None)
+                denoise = self._least_loaded("denoise", text)
+                route = _Route(text, denoise, self._least_loaded("decode", denoise))
             job = Job(request)
             number = next(self._numbers)
             timeout = request.timeout_s or self.cfg.timeout_s
@@ -632,9 +665,12 @@ class _GroupWorker:
         self.max_wait = options["max_wait_ms"] / 1e3
         placement = options["placement"]
         self.stages = {s for s, groups in placement.items() if group in groups}
-        self.dit_dtype: torch.dtype = graph.denoise.module.dtype
-        if "denoise" in self.stages:
-            make_row_exact(graph.denoise.module)
+        self.whole = isinstance(graph, PipelineGraph)  # a family served whole-request
+        self.whole_queue: collections.deque[int] = collections.deque()
+        if not self.whole:
+            self.dit_dtype: torch.dtype = graph.denoise.module.dtype
+            if "denoise" in self.stages:
+                make_row_exact(graph.denoise.module)
         self.requests: dict[int, _Request] = {}
         self.dropped: set[int] = set()
         self.text_queue: collections.deque[int] = collections.deque()
@@ -747,7 +783,10 @@ class _GroupWorker:
             _, number, request, route = msg
             req = _Request(number, GenerationRequest(**request), _Route(**route))
             self.requests[number] = req
-            if req.route.text == self.group:
+            if self.whole:
+                if req.route.denoise == self.group:
+                    self.whole_queue.append(number)
+            elif req.route.text == self.group:
                 self.text_queue.append(number)
             self._admit(number)
         elif msg[0] == "drop":
@@ -763,6 +802,8 @@ class _GroupWorker:
         self.active.pop(number, None)
         if number in self.text_queue:
             self.text_queue.remove(number)
+        if number in self.whole_queue:
+            self.whole_queue.remove(number)
         self.decode_queue = collections.deque(e for e in self.decode_queue if e[0] != number)
 
     def _fail(self, number: int, stage: str, err: BaseException) -> None:
@@ -784,7 +825,8 @@ class _GroupWorker:
                 pass
             if self.stopping:
                 return
-            ran = self._run_text()
+            ran = self._run_whole()
+            ran |= self._run_text()
             ran |= self._run_denoise_step()
             ran |= self._run_decode()
             if not ran:
@@ -802,6 +844,39 @@ class _GroupWorker:
 
     def _take(self, q: collections.deque[Any]) -> list[Any]:
         return [q.popleft() for _ in range(min(self.max_batch, len(q)))]
+
+    def _run_whole(self) -> bool:
+        """One request of a family served whole-request: ``graph.generate`` with its parameters."""
+        if not self.whole_queue:
+            return False
+        number = self.whole_queue.popleft()
+        req = self.requests[number]
+        r = req.request
+        self.outbox.put(("started", number))
+        start = time.perf_counter()
+        family = self.graph.family
+        call: dict[str, Any] = {
+            "prompt": r.prompt,
+            "negative_prompt": r.negative_prompt or None,
+            "height": r.height,
+            "width": r.width,
+            "num_inference_steps": r.steps,
+            "guidance_scale": r.guidance,
+        }
+        if family.output == "video":
+            call["num_frames"] = r.frames
+        try:
+            with torch.no_grad():
+                out = self.graph.generate(**call, seed=r.seed, output_type="np", progress=False)
+            frames = frames_to_uint8(out[0] if family.output == "video" else out[0][None])
+        except Exception as err:
+            self._fail(number, "denoise", err)
+            return True
+        self.outbox.put(("done", number, frames))
+        self.requests.pop(number, None)
+        self.outbox.put(("stage", "denoise", start - req.arrived, time.perf_counter() - start, 1))
+        self._record("denoise", "F", number, start, batch=1)
+        return True
 
     def _run_text(self) -> bool:
         if not self.text_queue:
@@ -924,3 +999,15 @@ class _GroupWorker:
         self.outbox.put(("stage", "decode", start - min(e[2] for e in batch), time.perf_counter() - start, len(batch)))
         self._record("decode", "F", batch[0][0], start, batch=len(batch))
         return True
+
+
+def _whole_request_family(cfg: ServeConfig) -> str | None:
+    """The pipeline class of ``cfg.pipeline`` when it is a family served whole-request (anything but
+    Wan 2.1 text-to-video), checked from its ``model_index.json`` before anything starts."""
+    if not cfg.pipeline:
+        return None
+    root = check_family_dir(cfg.pipeline)
+    meta = json.loads((root / "model_index.json").read_text())
+    name = str(meta["_class_name"])
+    assert name in FAMILY_MODULES  # check_family_dir refuses the others
+    return None if is_wan21_t2v(meta) else name

@@ -43,6 +43,7 @@ class FakeEngine:
         self.healthy: bool = True
         self.restarting: bool = False
         self.fatal: str | None = None
+        self.output = "video"
         self.hold = hold
         self.jobs: dict[str, Job] = {}
         self.submitted: list[Job] = []
