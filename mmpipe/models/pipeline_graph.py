@@ -160,6 +160,15 @@ class Family(abc.ABC):
         """Wrap ``pipe``; a subclass raises ``ValueError`` here for a pipeline it cannot run."""
         self.pipe = pipe
 
+    @classmethod
+    def image_argument(cls) -> str | None:
+        """Whether ``__call__`` takes an input ``image``: ``"required"``, ``"optional"`` or ``None``
+        (read from its signature; what ``mmpipe serve`` asks of ``input_reference``)."""
+        param = inspect.signature(cls.pipeline_cls.__call__).parameters.get("image")
+        if param is None:
+            return None
+        return "required" if param.default is inspect.Parameter.empty else "optional"
+
     # ---- the call ----------------------------------------------------------------------------
     def prepare_call(self, call: dict[str, Any]) -> dict[str, Any]:
         """Validate and round ``call`` as the pipeline's ``__call__`` does before encoding (its

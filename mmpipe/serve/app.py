@@ -69,6 +69,7 @@ class ServingEngine(Protocol):
     restarting: bool  # the worker groups are restarting (healthy again soon)
     fatal: str | None  # why it is not healthy
     output: str  # "video", or "image" for an image family (Flux, Qwen-Image): no /v1/videos
+    image_input: str | None  # "required" / "optional": the model takes input_reference; None: it does not
 
     def submit(self, request: GenerationRequest) -> Job: ...
 
@@ -146,6 +147,12 @@ async def create_video(request: Request) -> JSONResponse:
     if engine.output == "image":
         raise ApiError(
             400, f"model {engine.model_id!r} generates images: use POST /v1/images/generations", param="model"
+        )
+    if body.input_reference is not None and engine.image_input is None:
+        raise ApiError(400, f"model {engine.model_id!r} takes no input image", param="input_reference")
+    if body.input_reference is None and engine.image_input == "required":
+        raise ApiError(
+            400, f"model {engine.model_id!r} is image-to-video: input_reference is required", param="input_reference"
         )
     job = _submit(engine, build_video_request(body, engine.cfg, engine.model_id))
     return JSONResponse(video_object(job, engine))
@@ -294,14 +301,31 @@ async def _read_body(request: Request) -> Any:
     content_type = request.headers.get("content-type", "")
     if content_type.startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
         form = await request.form()
+        fields: dict[str, Any] = {}
         for key, value in form.multi_items():
-            if not isinstance(value, str):
-                raise ApiError(400, f"{key}: file uploads (input_reference) are not supported", param=key)
-        return {key: value for key, value in form.items()}
+            if isinstance(value, str):
+                fields[key] = value
+            elif key == "input_reference":
+                fields[key] = _image_png(await value.read())
+            else:
+                raise ApiError(400, f"{key}: a file upload is only accepted as input_reference", param=key)
+        return fields
     try:
         return await request.json()
     except ValueError:
         raise ApiError(400, "the request body is not valid JSON") from None
+
+
+def _image_png(data: bytes) -> bytes:
+    """An uploaded image as RGB PNG bytes, or a 400 naming ``input_reference``."""
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            image.load()
+            out = io.BytesIO()
+            image.convert("RGB").save(out, format="PNG")
+    except (OSError, ValueError, Image.DecompressionBombError) as err:
+        raise ApiError(400, f"input_reference is not a readable image ({err})", param="input_reference") from None
+    return out.getvalue()
 
 
 def _submit(engine: ServingEngine, request: GenerationRequest) -> Job:

@@ -60,6 +60,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import datetime
+import io
 import json
 import logging
 import os
@@ -78,6 +79,7 @@ from typing import Any
 import numpy as np
 import torch
 import yaml
+from PIL import Image
 
 from mmpipe.config import ServeConfig, to_dict
 from mmpipe.data import caption_vocabulary, frames_to_uint8
@@ -161,6 +163,8 @@ class Engine:
         self.family = _whole_request_family(cfg)
         #: what a request renders: "image" for image families, else "video"
         self.output = family_class(self.family).output if self.family else "video"
+        #: whether requests may / must carry an input image (image-to-video families)
+        self.image_input = family_class(self.family).image_argument() if self.family else None
         cfg = self._placed(cfg)
         self.cfg = cfg
         self.model_id = cfg.model_name
@@ -866,6 +870,8 @@ class _GroupWorker:
         if family.output == "video":
             call["num_frames"] = r.frames
         try:
+            if r.image is not None:
+                call["image"] = Image.open(io.BytesIO(r.image)).convert("RGB")
             with torch.no_grad():
                 out = self.graph.generate(**call, seed=r.seed, output_type="np", progress=False)
             frames = frames_to_uint8(out[0] if family.output == "video" else out[0][None])

@@ -48,6 +48,7 @@ class GenerationRequest:
     guidance: float = 3.0
     seed: int = 0
     timeout_s: float | None = None  # None: the engine's serve.timeout_s
+    image: bytes | None = None  # image-to-video: the input image (``input_reference``) as PNG bytes
 
 
 class QueueFull(RuntimeError):

@@ -76,10 +76,12 @@ class _Extras(BaseModel):
 
 
 class VideoBody(_Extras):
-    """``POST /v1/videos``."""
+    """``POST /v1/videos``; ``input_reference`` is the uploaded first frame of image-to-video
+    models, read and re-encoded as PNG by the front end."""
 
     seconds: Float | None = None
     frames: Int | None = None
+    input_reference: bytes | None = None
 
 
 class ImageBody(_Extras):
@@ -105,7 +107,7 @@ def parse_body(cls: type[B], data: Any) -> B:
 def build_video_request(body: VideoBody, cfg: ServeConfig, model_id: str) -> GenerationRequest:
     """A validated video request; its frame count from ``frames``, else ``seconds`` x ``fps``."""
     frames = _frames(body, cfg)
-    return _build(body, cfg, model_id, frames)
+    return dataclasses.replace(_build(body, cfg, model_id, frames), image=body.input_reference)
 
 
 def build_image_requests(body: ImageBody, cfg: ServeConfig, model_id: str) -> list[GenerationRequest]:

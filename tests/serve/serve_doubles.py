@@ -44,6 +44,7 @@ class FakeEngine:
         self.restarting: bool = False
         self.fatal: str | None = None
         self.output = "video"
+        self.image_input: str | None = None
         self.hold = hold
         self.jobs: dict[str, Job] = {}
         self.submitted: list[Job] = []

@@ -391,3 +391,32 @@ def _until(predicate: object, timeout: float = 5.0) -> bool:
             return True
         time.sleep(0.01)
     return False
+
+
+def test_input_reference_is_checked_against_the_model(served: tuple[FakeEngine, str], engine: FakeEngine) -> None:
+    """OpenAI's ``input_reference`` upload: refused by a text-to-video model, required by an
+    image-to-video one, re-encoded as PNG when it is a readable image, a 400 naming it when not."""
+    client = openai.OpenAI(base_url=f"{served[1]}/v1", api_key="x", max_retries=0)
+    picture = Image.new("RGB", (16, 16), (200, 30, 30))
+    buf = io.BytesIO()
+    picture.save(buf, format="JPEG")
+    jpeg = ("first.jpg", buf.getvalue(), "image/jpeg")
+    with pytest.raises(openai.BadRequestError) as err:
+        client.videos.create(prompt="a red circle", input_reference=jpeg)
+    assert err.value.body["param"] == "input_reference" and "takes no input image" in err.value.body["message"]  # type: ignore[index]
+    engine.image_input = "required"
+    try:
+        with pytest.raises(openai.BadRequestError) as err:
+            client.videos.create(prompt="a red circle")
+        assert "input_reference is required" in err.value.body["message"]  # type: ignore[index]
+        with pytest.raises(openai.BadRequestError) as err:
+            client.videos.create(prompt="a red circle", input_reference=("x.png", b"not an image", "image/png"))
+        assert "input_reference is not a readable image" in err.value.body["message"]  # type: ignore[index]
+        assert not engine.submitted
+        client.videos.create(prompt="a red circle", input_reference=jpeg)
+        (job,) = engine.submitted
+        assert job.request.image is not None
+        got = np.asarray(Image.open(io.BytesIO(job.request.image)))
+        assert got.shape == (16, 16, 3) and np.array_equal(got, np.asarray(Image.open(io.BytesIO(jpeg[1]))))
+    finally:
+        engine.image_input = None
