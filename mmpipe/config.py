@@ -73,6 +73,10 @@ class ModelConfig:
     # VAE trained on the moving-shapes clips that ships with the package (mmpipe.models.shapes_vae)
     vae_weights: Literal["random", "shapes"] = "shapes"
     flow_shift: float = 3.0
+    # The tiny preset as Wan 2.2's two-expert DiT: a second DiT (``transformer_2``) takes the steps
+    # below this fraction of the timesteps and trains on that noise range (the first on the rest).
+    # null: one DiT. With model.path the directory's model_index.json says.
+    boundary_ratio: float | None = None
     # Full-size architecture presets (wan14b_t2v, hunyuan_t2v, ...): each stage's module config
     # (diffusers / transformers kwargs; ``class`` picks the family) and the per-sample video size.
     arch: dict[str, Any] | None = None
@@ -88,6 +92,14 @@ class ModelConfig:
             raise ValueError(f"model.dit_head_dim must be even, got {self.dit_head_dim}")
         if self.vae_weights not in ("random", "shapes"):
             raise ValueError(f"model.vae_weights must be 'random' or 'shapes', got {self.vae_weights!r}")
+        if self.boundary_ratio is not None:
+            if not 0.0 < self.boundary_ratio < 1.0:
+                raise ValueError(f"model.boundary_ratio must be in (0, 1), got {self.boundary_ratio}")
+            if self.path is not None or self.kind != "t2v":
+                raise ValueError(
+                    "model.boundary_ratio makes the tiny t2v preset two-expert; with model.path the "
+                    "directory's model_index.json says (set it to null)"
+                )
         if self.kind == "u2g" and self.path is not None:
             raise ValueError("model.kind=u2g trains the tiny preset only; model.path must be null")
         if self.path is not None and not Path(self.path).is_dir():

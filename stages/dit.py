@@ -5,7 +5,9 @@ predicts the velocity ``eps - x0`` at timestep ``1000 s``; ``s`` is drawn unifor
 shifted by the scheduler's ``shift`` (``s' = k s / (1 + (k - 1) s)``), the same warp the sampler
 applies to its sigmas. Noise and ``s`` come from a generator seeded by the ``seed`` option, so a
 micro-batch's loss is a pure function of (parameters, inputs, seed): resumed and pipelined runs
-reproduce an uninterrupted single-process run bit for bit.
+reproduce an uninterrupted single-process run bit for bit. A stage may train on a part of the
+noise range only (``sigma_range``): each expert of Wan 2.2's two-expert DiT trains on the timesteps
+the sampler gives it (the high-noise expert from ``boundary_ratio`` up, the low-noise one below).
 
 HunyuanVideo's DiT (``HunyuanVideoTransformer3DModel``) trains with the same objective and the same
 draw; it additionally takes a text mask and a pooled text vector, both derived here from the
@@ -43,8 +45,11 @@ def sample_flow_matching(
     shift: float,
     rows: tuple[int, int, int] | None = None,
     frames: tuple[int, int, int] | None = None,
+    sigma_range: tuple[float, float] = (0.0, 1.0),
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw ``(noise, sigma_B)`` on the CPU from ``seed`` (device-independent), shifted by ``shift``.
+    """Draw ``(noise, sigma_B)`` on the CPU from ``seed`` (device-independent), shifted by ``shift``
+    and inside ``sigma_range`` (the uniform draw is mapped onto the part of ``[0, 1)`` whose shifted
+    sigmas fall in the range, so the range's sigmas keep the shifted density).
 
     ``rows=(start, stop, total)``: the latents are rows ``[start, stop)`` of a micro-batch of
     ``total``; ``frames=(start, stop, total)``: and latent frames ``[start, stop)`` of ``total``
@@ -58,7 +63,8 @@ def sample_flow_matching(
             f"rows {start}:{stop} and frames {f0}:{f1} do not match latents of shape {tuple(latents_BZthw.shape)}"
         )
     gen = torch.Generator().manual_seed(seed)
-    u_B = torch.rand(total, generator=gen, dtype=torch.float32)
+    lo, hi = (s / (shift - (shift - 1) * s) for s in sigma_range)  # the shift's inverse
+    u_B = lo + (hi - lo) * torch.rand(total, generator=gen, dtype=torch.float32)
     sigma_B = shift * u_B / (1 + (shift - 1) * u_B)
     z, _, h, w = latents_BZthw.shape[1:]
     noise = torch.randn((total, z, frames_total, h, w), generator=gen, dtype=torch.float32)
@@ -76,10 +82,21 @@ class FlowMatchingDiTStage(SourcedStage):
     capabilities = Capabilities(sequence_parallel=True, fsdp=True, offload=True)
     context_dim_key: ClassVar[str]
 
-    def __init__(self, name: str, source: ModuleSource, *, shift: float = 1.0, num_train_timesteps: int = 1000) -> None:
+    def __init__(
+        self,
+        name: str,
+        source: ModuleSource,
+        *,
+        shift: float = 1.0,
+        num_train_timesteps: int = 1000,
+        sigma_range: tuple[float, float] = (0.0, 1.0),
+    ) -> None:
         super().__init__(name, source, frozen=False)
         if shift <= 0:
             raise ValueError(f"stage {name!r}: flow shift must be positive, got {shift}")
+        if not 0.0 <= sigma_range[0] < sigma_range[1] <= 1.0:
+            raise ValueError(f"stage {name!r}: sigma_range must satisfy 0 <= lo < hi <= 1, got {sigma_range}")
+        self.sigma_range = sigma_range
         self.shift = shift
         self.num_train_timesteps = num_train_timesteps
         self._sequence: SequenceState | None = None
@@ -145,7 +162,9 @@ class FlowMatchingDiTStage(SourcedStage):
                     "its sequence-parallel ranks (every rank needs at least one frame)"
                 )
             frames = (*region.ranges[0], region.length)
-        noise_BZthw, sigma_B = sample_flow_matching(x0_BZthw, seed=seed, shift=self.shift, rows=rows, frames=frames)
+        noise_BZthw, sigma_B = sample_flow_matching(
+            x0_BZthw, seed=seed, shift=self.shift, rows=rows, frames=frames, sigma_range=self.sigma_range
+        )
         s_B11111 = sigma_B.view(-1, 1, 1, 1, 1)
         xs_BZthw = (1 - s_B11111) * x0_BZthw + s_B11111 * noise_BZthw
         timestep_B = sigma_B * self.num_train_timesteps

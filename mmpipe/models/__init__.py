@@ -18,20 +18,20 @@ from typing import NamedTuple
 from mmpipe.config import ModelConfig
 from mmpipe.graph import Graph
 from mmpipe.models.u2g import U2G_TRAIN_STAGES, build_u2g_training_graph, save_tiny_u2g_pipeline
-from mmpipe.models.wan import T2V_TRAIN_STAGES, build_t2v_training_graph, save_tiny_wan_pipeline
+from mmpipe.models.wan import build_t2v_training_graph, save_tiny_wan_pipeline, t2v_training_stages
 
 
 class Family(NamedTuple):
     """What the engine needs of a model family's training side (``model.kind``)."""
 
-    train_stages: tuple[str, ...]
+    train_stages: Callable[[ModelConfig], tuple[str, ...]]
     training_graph: Callable[..., Graph]  # (pipeline_dir, *, text_len) -> Graph
     save_tiny: Callable[..., Path]  # (spec, texts, path, *, seed) -> Path
 
 
 FAMILIES = {
-    "t2v": Family(T2V_TRAIN_STAGES, build_t2v_training_graph, save_tiny_wan_pipeline),
-    "u2g": Family(U2G_TRAIN_STAGES, build_u2g_training_graph, save_tiny_u2g_pipeline),
+    "t2v": Family(t2v_training_stages, build_t2v_training_graph, save_tiny_wan_pipeline),
+    "u2g": Family(lambda _: U2G_TRAIN_STAGES, build_u2g_training_graph, save_tiny_u2g_pipeline),
 }
 
 
@@ -44,7 +44,7 @@ def family(model: ModelConfig) -> Family:
 
 def training_stages(model: ModelConfig) -> tuple[str, ...]:
     """The stage names of the model's training graph (placements must name exactly these)."""
-    return family(model).train_stages
+    return family(model).train_stages(model)
 
 
 def build_training_graph(model: ModelConfig, pipe_dir: Path) -> Graph:

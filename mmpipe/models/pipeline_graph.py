@@ -155,6 +155,9 @@ class Family(abc.ABC):
     #: the text stage's output ports (each has an optional ``negative_<port>`` twin)
     condition_ports: ClassVar[tuple[str, ...]] = ("prompt_embeds",)
     not_implemented: ClassVar[frozenset[str]] = NOT_IMPLEMENTED
+    #: the ``__call__`` argument that scales classifier-free guidance (what ``mmpipe serve``'s
+    #: ``guidance`` sets): ``true_cfg_scale`` where ``guidance_scale`` is a distilled embedding
+    cfg_argument: ClassVar[str] = "guidance_scale"
 
     def __init__(self, pipe: Any) -> None:
         """Wrap ``pipe``; a subclass raises ``ValueError`` here for a pipeline it cannot run."""
@@ -360,9 +363,12 @@ class PipelineGraph(Graph):
     pipeline's ``__call__`` arguments and returns what the pipeline returns in ``frames`` (video
     families) or ``images`` (image families)."""
 
-    def __init__(self, family: Family) -> None:
+    def __init__(self, family: Family, defaults: Mapping[str, Any] | None = None) -> None:
+        """``defaults``: ``__call__`` arguments a ``generate`` call that does not give them gets
+        (``from_diffusers``'s ``max_sequence_length``), instead of the pipeline's defaults."""
         super().__init__(f"{type(family.pipe).__name__}_inference")
         self.family = family
+        self.defaults = dict(defaults or {})
         self.pipe = family.pipe
         self.text = ConditionStage("text", family, family.text_components)
         self.denoise = DenoiseLoopStage("denoise", family, family.denoise_components)
@@ -378,7 +384,7 @@ class PipelineGraph(Graph):
     def bind(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """The prepared call of ``generate(*args, **kwargs)`` (mmpipe's own keywords excluded)."""
         fam = self.family
-        call = bind_call(fam.pipeline_cls, args, kwargs, not_implemented=fam.not_implemented)
+        call = bind_call(fam.pipeline_cls, args, self.defaults | kwargs, not_implemented=fam.not_implemented)
         return fam.prepare_call(call)
 
     def generate(self, *args: Any, seed: int | None = None, progress: bool = True, **kwargs: Any) -> Any:
@@ -464,10 +470,9 @@ def from_diffusers(
 
     The family is recognised from ``model_index.json``'s ``_class_name`` (or the object's class);
     the graph's stages wrap the pipeline's own modules (no copy). Wan 2.1 text-to-video returns
-    :class:`~mmpipe.models.wan.T2VGraph` (the graph training and serving run), whose prompts are
-    padded to ``max_sequence_length`` (default 512, ``WanPipeline``'s) unless ``generate`` is
-    given its own; every other family returns a :class:`PipelineGraph`, where
-    ``max_sequence_length`` is a ``generate`` argument as in the pipeline's ``__call__``. With a
+    :class:`~mmpipe.models.wan.T2VGraph` (the graph training and serving pipeline by stage); every
+    other family a :class:`PipelineGraph`. Prompts are padded to ``max_sequence_length`` (``None``:
+    the pipeline's default) unless a ``generate`` call gives its own. With a
     ``device``, the modules are placed there (bf16 on CUDA but for the VAE, which stays float32).
     """
     from mmpipe.models import wan  # the Wan module imports this one
@@ -485,12 +490,8 @@ def from_diffusers(
             pipe = DiffusionPipeline.from_pretrained(root, **({"dtype": dtypes} if dtypes else {}))
     if wan.is_wan21_t2v(pipe.config) and type(pipe).__name__ == "WanPipeline":
         return wan.from_diffusers(pipe, max_sequence_length=max_sequence_length or 512, device=device)
-    if max_sequence_length is not None:
-        raise ValueError(
-            f"from_diffusers: max_sequence_length is a generate() argument for {type(pipe).__name__}, "
-            "as in the pipeline's __call__"
-        )
-    graph = pipeline_graph(pipe)
+    defaults = {"max_sequence_length": max_sequence_length} if max_sequence_length is not None else {}
+    graph = PipelineGraph(family_for(pipe)(pipe), defaults)
     if device is not None:
         pipe.to(device)
     return graph

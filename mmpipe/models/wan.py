@@ -154,9 +154,14 @@ def build_tiny_wan_pipeline(spec: ModelConfig, texts: Sequence[str], *, seed: in
 
 
 def save_tiny_wan_pipeline(spec: ModelConfig, texts: Sequence[str], path: str | Path, *, seed: int) -> Path:
-    """Build and ``save_pretrained`` a tiny pipeline into ``path`` (the WanPipeline layout)."""
+    """Build and ``save_pretrained`` a tiny pipeline into ``path`` (the WanPipeline layout); with
+    ``spec.boundary_ratio``, Wan 2.2's two experts (the second DiT's weights from ``seed + 1``)."""
     path = Path(path)
     pipe: Any = build_tiny_wan_pipeline(spec, texts, seed=seed)
+    if spec.boundary_ratio is not None:
+        second: Any = build_tiny_wan_pipeline(spec, texts, seed=seed + 1)
+        pipe.register_modules(transformer_2=second.transformer)
+        pipe.register_to_config(boundary_ratio=spec.boundary_ratio)
     pipe.save_pretrained(path)
     return path
 
@@ -576,13 +581,14 @@ def check_pipeline_dir(path: str | Path, *, key: str = "pipeline") -> Path:
             f"{where}: model_index.json's _class_name={name!r} is not supported; supported: {list(SUPPORTED_PIPELINES)}"
         )
     two_expert = isinstance(meta.get("transformer_2"), list) and any(meta["transformer_2"])
-    if two_expert or meta.get("boundary_ratio") is not None:
-        raise ValueError(
-            f"{where}: two-expert Wan 2.2 pipelines (transformer_2 / boundary_ratio) are not supported yet"
-        )
+    if two_expert != (meta.get("boundary_ratio") is not None):
+        raise ValueError(f"{where}: a two-expert Wan 2.2 pipeline needs both transformer_2 and boundary_ratio")
     if meta.get("expand_timesteps"):
-        raise ValueError(f"{where}: WanPipeline with expand_timesteps=True (Wan 2.2 TI2V) is not supported yet")
-    for component in WAN_COMPONENTS:
+        raise ValueError(
+            f"{where}: WanPipeline with expand_timesteps=True (Wan 2.2 TI2V) is not supported by training and "
+            "serving yet; mmpipe.from_diffusers and mmpipe generate pipeline=DIR run it"
+        )
+    for component in (*WAN_COMPONENTS, *(("transformer_2",) if two_expert else ())):
         entry = meta.get(component)
         if not (isinstance(entry, list) and len(entry) == 2 and all(entry)):
             raise ValueError(f"{where}: model_index.json names no {component} (got {entry!r})")
@@ -626,6 +632,23 @@ def flow_shift_of(scheduler_config: Any) -> float:
 
 
 T2V_TRAIN_STAGES = ("text", "vae", "dit")  # the stage names of build_t2v_training_graph
+T2V_TWO_EXPERT_STAGES = (*T2V_TRAIN_STAGES, "dit_2")  # Wan 2.2: the low-noise expert as its own stage
+
+
+def t2v_training_stages(model: ModelConfig) -> tuple[str, ...]:
+    """The stage names of ``model``'s training graph: ``dit_2`` too for a two-expert Wan 2.2."""
+    if model.boundary_ratio is not None:
+        return T2V_TWO_EXPERT_STAGES
+    if model.path is not None and (Path(model.path) / "model_index.json").is_file():
+        meta = json.loads((Path(model.path) / "model_index.json").read_text())
+        if _two_experts(meta):
+            return T2V_TWO_EXPERT_STAGES
+    return T2V_TRAIN_STAGES
+
+
+def _two_experts(meta: Mapping[str, Any]) -> bool:
+    second = meta.get("transformer_2")
+    return isinstance(second, list | tuple) and any(second) and meta.get("boundary_ratio") is not None
 
 
 T2V_TRAIN_EDGES = (
@@ -649,8 +672,25 @@ def build_t2v_training_graph(pipeline_dir: str | Path, *, text_len: int) -> Grap
     g.add_input("video", TensorSpec(("B", 3, "T", "H", "W"), torch.float32))
     g.add_stage(build_text_stage("text", root / "text_encoder", tokenizer, max_length=text_len))
     g.add_stage(WanVAEEncodeStage.from_pretrained("vae", root / "vae"))
-    g.add_stage(WanDiTFlowMatchingStage.from_pretrained("dit", root / "transformer", shift=shift))
+    meta = json.loads((root / "model_index.json").read_text())
+    if _two_experts(meta):  # Wan 2.2: each expert trains on the noise range the sampler gives it
+        boundary = float(meta["boundary_ratio"])
+        g.add_stage(
+            WanDiTFlowMatchingStage.from_pretrained(
+                "dit", root / "transformer", shift=shift, sigma_range=(boundary, 1.0)
+            )
+        )
+        g.add_stage(
+            WanDiTFlowMatchingStage.from_pretrained(
+                "dit_2", root / "transformer_2", shift=shift, sigma_range=(0.0, boundary)
+            )
+        )
+    else:
+        g.add_stage(WanDiTFlowMatchingStage.from_pretrained("dit", root / "transformer", shift=shift))
     for src, dst in T2V_TRAIN_EDGES:
         g.connect(src, dst)
+    if "dit_2" in g.stages:
+        g.connect("text.context", "dit_2.context")
+        g.connect("vae.latents", "dit_2.latents")
     g.validate()
     return g

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 from mmpipe.config import RunConfig
 from mmpipe.devices import DeviceType
 from mmpipe.errors import loading_errors
 from mmpipe.kernels import registry as kernels
-from mmpipe.models.wan import T2VGraph, check_pipeline_dir, from_diffusers
+from mmpipe.models.pipeline_graph import PipelineGraph, from_diffusers
+from mmpipe.models.wan import T2VGraph, check_pipeline_dir
 from mmpipe.rundir import latest_checkpoint, load_run_config, pipeline_dir
 from mmpipe.runtime.checkpoint import load_latest_weights
 from mmpipe.stages.wan_kernels import use_kernels
@@ -26,19 +28,24 @@ def check_trained_run(run_dir: Path, *, key: str = "ckpt") -> None:
         raise ValueError(f"{key}={str(run_dir)!r}: the run has no checkpoint yet (train.ckpt_every saves them)")
 
 
-def load_trained_graph(run_dir: Path, device: DeviceType = DeviceType.CPU) -> T2VGraph:
+def load_trained_graph(run_dir: Path, device: DeviceType = DeviceType.CPU) -> T2VGraph | PipelineGraph:
     """The run's inference graph on ``device`` (bf16 text encoder and DiT on CUDA, as
     :func:`~mmpipe.models.wan.place_graph` places them) with the DiT weights of its latest
-    checkpoint and the run's ``model.kernels`` resolved for ``device``."""
+    checkpoint and the run's ``model.kernels`` resolved for ``device``. A two-expert Wan 2.2 run
+    gives the family graph, its experts the weights of the stages ``dit`` and ``dit_2``."""
     cfg = load_run_config(run_dir)
     choice = generation_kernels(cfg, device)  # an unavailable kernel is an error before any load
     with loading_errors(f"ckpt={str(run_dir)!r}"):
-        graph = from_diffusers(
+        graph: Any = from_diffusers(
             pipeline_dir(cfg.model, run_dir), max_sequence_length=cfg.model.text_len, device=device.value
         )
-        # The training graph's DiT stage is named "dit"; its weights become the denoiser's (DCP
-        # copies the saved float32 tensors into the placed ones, casting to their dtype).
-        load_latest_weights(run_dir, {"dit": graph.denoise.module})
+        # The training graph's DiT stage is named "dit" ("dit_2": Wan 2.2's second expert); its weights
+        # become the denoiser's (DCP copies the saved float32 tensors into the placed ones, casting).
+        denoisers: Any = graph.denoise.module
+        if isinstance(graph, PipelineGraph):
+            load_latest_weights(run_dir, {"dit": denoisers["transformer"], "dit_2": denoisers["transformer_2"]})
+        else:
+            load_latest_weights(run_dir, {"dit": denoisers})
     apply_kernels(graph, choice)
     return graph
 
@@ -50,7 +57,10 @@ def generation_kernels(cfg: RunConfig, device: DeviceType) -> kernels.KernelChoi
     return kernels.resolve(choice, device.value)
 
 
-def apply_kernels(graph: T2VGraph, choice: kernels.KernelChoice) -> None:
-    """Swap the kernels of ``choice`` into the denoiser's DiT (in place)."""
-    if choice != kernels.KernelChoice():
-        use_kernels(graph.denoise.module, choice)
+def apply_kernels(graph: T2VGraph | PipelineGraph, choice: kernels.KernelChoice) -> None:
+    """Swap the kernels of ``choice`` into the denoiser's DiT, each expert's (in place)."""
+    if choice == kernels.KernelChoice():
+        return
+    module: Any = graph.denoise.module
+    for dit in module.values() if isinstance(graph, PipelineGraph) else [module]:
+        use_kernels(dit, choice)

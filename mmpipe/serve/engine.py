@@ -88,6 +88,7 @@ from mmpipe.errors import ServeStartError, cause, loading_errors
 from mmpipe.models.pipeline_graph import FAMILY_MODULES, PipelineGraph, check_family_dir, family_class, from_diffusers
 from mmpipe.models.wan import check_pipeline_dir, is_wan21_t2v, save_tiny_wan_pipeline
 from mmpipe.report.recording import MemorySampler
+from mmpipe.rundir import load_run_config, pipeline_dir
 from mmpipe.runtime import procs
 from mmpipe.runtime.events import EventRecorder
 from mmpipe.runtime.launch import free_port
@@ -124,7 +125,7 @@ def default_graph(spec: dict[str, Any]) -> Any:
         return load_trained_graph(Path(spec["ckpt"]))
     with loading_errors(f"pipeline={str(spec['pipeline'])!r}"):
         if spec.get("family"):  # whole-request serving; place_stages moves its modules
-            return from_diffusers(spec["pipeline"])
+            return from_diffusers(spec["pipeline"], max_sequence_length=spec.get("text_len"))
         if spec.get("device", "cpu") == DeviceType.CUDA:
             pipe = load_wan_pipeline(spec["pipeline"])
             return from_diffusers(pipe, max_sequence_length=spec["text_len"])
@@ -234,21 +235,20 @@ class Engine:
             check_trained_run(Path(cfg.ckpt))
             return {"ckpt": cfg.ckpt}
         if cfg.pipeline:
-            if self.family is not None:
-                if cfg.text_len:
-                    raise ValueError(f"text_len={cfg.text_len}: {self.family} pads prompts as its pipeline does")
-                return {"pipeline": cfg.pipeline, "family": self.family}
+            if self.family is not None:  # text_len unset: the pipeline's own default
+                return {"pipeline": cfg.pipeline, "family": self.family, "text_len": cfg.text_len or None}
             check_pipeline_dir(cfg.pipeline)
             return {"pipeline": cfg.pipeline, "text_len": cfg.text_len or 512}  # WanPipeline.__call__'s default
 
+        family = {"family": self.family} if self.family else {}
         if cfg.model.path is not None:
             check_pipeline_dir(cfg.model.path, key="model.path")
-            return {"pipeline": cfg.model.path, "text_len": cfg.text_len or cfg.model.text_len}
+            return {"pipeline": cfg.model.path, "text_len": cfg.text_len or cfg.model.text_len} | family
         if cfg.model.kind != "t2v":
             raise ValueError(f"model.kind={cfg.model.kind!r}: mmpipe serve serves text-to-video graphs (t2v)")
         self._tmp = tempfile.mkdtemp(prefix="mmpipe-serve-")
         path = save_tiny_wan_pipeline(cfg.model, [*caption_vocabulary(), "blurry static"], self._tmp, seed=0)
-        return {"pipeline": str(path), "text_len": cfg.text_len or cfg.model.text_len}
+        return {"pipeline": str(path), "text_len": cfg.text_len or cfg.model.text_len} | family
 
     def _start_groups(self) -> None:
         """Start one worker per group and wait until each is ready. Every start (the first, and each
@@ -865,7 +865,7 @@ class _GroupWorker:
             "height": r.height,
             "width": r.width,
             "num_inference_steps": r.steps,
-            "guidance_scale": r.guidance,
+            family.cfg_argument: r.guidance,  # classifier-free guidance's scale, whatever the family names it
         }
         if family.output == "video":
             call["num_frames"] = r.frames
@@ -1008,11 +1008,23 @@ class _GroupWorker:
 
 
 def _whole_request_family(cfg: ServeConfig) -> str | None:
-    """The pipeline class of ``cfg.pipeline`` when it is a family served whole-request (anything but
-    Wan 2.1 text-to-video), checked from its ``model_index.json`` before anything starts."""
-    if not cfg.pipeline:
-        return None
-    root = check_family_dir(cfg.pipeline)
+    """The pipeline class of the served pipeline when it is a family served whole-request (anything
+    but Wan 2.1 text-to-video: a ``pipeline`` directory's, a trained run's or ``model``'s, a
+    two-expert tiny preset included), checked from its ``model_index.json`` before anything starts."""
+    if cfg.ckpt:
+        if not (Path(cfg.ckpt) / "config.yaml").is_file():
+            return None  # check_trained_run names what is wrong
+        model = load_run_config(Path(cfg.ckpt)).model
+        source = str(pipeline_dir(model, Path(cfg.ckpt)))
+    elif cfg.pipeline:
+        source = cfg.pipeline
+    elif cfg.model.path is not None:
+        source = cfg.model.path
+    else:
+        return "WanPipeline" if cfg.model.boundary_ratio is not None else None
+    if not (Path(source) / "model_index.json").is_file():
+        return None  # the source's own check names what is wrong
+    root = check_family_dir(source)
     meta = json.loads((root / "model_index.json").read_text())
     name = str(meta["_class_name"])
     assert name in FAMILY_MODULES  # check_family_dir refuses the others
