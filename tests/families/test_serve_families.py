@@ -1,16 +1,22 @@
-"""``mmpipe serve pipeline=DIR`` for a family served whole-request (here Wan 2.2's two experts),
-through the official ``openai`` client: a video equal to offline ``graph.generate`` for the seed,
-bitwise (uint8 frames), and the placement rule refused before any worker starts."""
+"""``mmpipe serve pipeline=DIR`` for the families served whole-request, through the official
+``openai`` client: every family's video (``/v1/videos``) or image (``/v1/images/generations``)
+equals offline ``graph.generate`` for the seed, bitwise (uint8 frames, lossless PNG), and the
+placement rule is refused before any worker starts."""
 
 from __future__ import annotations
 
+import base64
+import importlib
+import io
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import openai
 import pytest
+from PIL import Image
 
 from mmpipe.config import ServeConfig
 from mmpipe.data import frames_to_uint8
@@ -61,6 +67,50 @@ def test_two_expert_video_equals_offline_generate(served: tuple[Engine, str], wa
         progress=False,
     )
     assert np.array_equal(job.frames, frames_to_uint8(offline[0]))
+
+
+TEXT_FAMILIES = {
+    "flux": ("mmpipe.models.flux", "save_tiny_flux_pipeline", "image"),
+    "qwenimage": ("mmpipe.models.qwenimage", "save_tiny_qwenimage_pipeline", "image"),
+    "hunyuan": ("mmpipe.models.hunyuan", "save_tiny_hunyuan_pipeline", "video"),
+    "ltx": ("mmpipe.models.ltx", "save_tiny_ltx_pipeline", "video"),
+    "cogvideox": ("mmpipe.models.cogvideox", "save_tiny_cogvideox_pipeline", "video"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TEXT_FAMILIES))
+def test_every_family_serves_what_offline_generate_renders(name: str, tmp_path: Path) -> None:
+    module, saver, output = TEXT_FAMILIES[name]
+    path = getattr(importlib.import_module(module), saver)(tmp_path / name, seed=0)
+    width = 64 if name == "ltx" else 48  # LTX: multiples of 32
+    one_group = {s: [0] for s in ("text", "denoise", "decode")}
+    cfg = serve_config(path, tmp_path / "run", placement=one_group, text_len=16, width=width, steps=2)
+    prompt, extra = "a red circle moving left", {"seed": 3, "negative_prompt": "blurry static", "guidance": 4.0}
+    with Engine(cfg) as engine, running_server(engine) as url:
+        assert engine.output == output
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
+        graph: Any = from_diffusers(path, max_sequence_length=16)
+        call = dict(prompt=prompt, negative_prompt="blurry static", height=32, width=width, num_inference_steps=2)
+        call[graph.family.cfg_argument] = 4.0
+        if output == "image":
+            result = client.images.generate(prompt=prompt, size=f"{width}x32", extra_body=extra)  # type: ignore[arg-type]
+            assert result.data is not None and result.data[0].b64_json is not None
+            got = np.asarray(Image.open(io.BytesIO(base64.b64decode(result.data[0].b64_json))).convert("RGB"))
+            expected = frames_to_uint8(graph.generate(**call, seed=3, progress=False, output_type="np")[0][None])[0]
+            with pytest.raises(openai.BadRequestError, match="generates images"):
+                client.videos.create(prompt=prompt)
+        else:
+            video = client.videos.create(prompt=prompt, size=f"{width}x32", extra_body=extra | {"frames": 9})  # type: ignore[arg-type]
+            done = client.videos.poll(video.id, poll_interval_ms=50)
+            assert (done.status, done.error) == ("completed", None)
+            job = engine.get(video.id)
+            assert job is not None and job.frames is not None
+            got = job.frames
+            expected = frames_to_uint8(
+                graph.generate(**call, num_frames=9, seed=3, progress=False, output_type="np")[0]
+            )
+        assert got.shape == expected.shape and np.array_equal(got, expected)
+        assert expected.std() > 1  # not a constant output
 
 
 def test_a_split_placement_is_refused_before_any_worker_starts(wan22_dir: Path, tmp_path: Path) -> None:
