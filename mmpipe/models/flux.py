@@ -14,7 +14,6 @@ Legend: B batch, C latent channels, h/w latent height/width, L text tokens, D te
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import string
 from collections.abc import Mapping
@@ -124,7 +123,6 @@ class FluxFamily(Family):
             "img_ids": img_ids,
             "guidance": guidance,
             "attention_kwargs": attention_kwargs if attention_kwargs is not None else {},
-            "cond": cond,  # tells predict's positive branch from the negative one (cache contexts)
         }
 
     def set_timesteps(
@@ -157,18 +155,17 @@ class FluxFamily(Family):
         state: dict[str, Any],
     ) -> torch.Tensor:
         timestep = t.expand(latents.shape[0]).to(latents.dtype)
-        with cache_context(model, "cond" if cond is state["cond"] else "uncond"):
-            return model(
-                hidden_states=latents,
-                timestep=timestep / 1000,
-                guidance=state["guidance"],
-                pooled_projections=cond["pooled_prompt_embeds"],
-                encoder_hidden_states=cond["prompt_embeds"],
-                txt_ids=cond["text_ids"],
-                img_ids=state["img_ids"],
-                joint_attention_kwargs=state["attention_kwargs"],
-                return_dict=False,
-            )[0]
+        return model(
+            hidden_states=latents,
+            timestep=timestep / 1000,
+            guidance=state["guidance"],
+            pooled_projections=cond["pooled_prompt_embeds"],
+            encoder_hidden_states=cond["prompt_embeds"],
+            txt_ids=cond["text_ids"],
+            img_ids=state["img_ids"],
+            joint_attention_kwargs=state["attention_kwargs"],
+            return_dict=False,
+        )[0]
 
     def decode(self, latents: torch.Tensor, call: Mapping[str, Any]) -> torch.Tensor:
         """Unpack, undo the VAE's scaling and shift, decode: ``(B, 3, H, W)`` in [-1, 1]."""
@@ -179,13 +176,6 @@ class FluxFamily(Family):
         # the cast is a no-op where the pipeline runs; it lets bf16 latents meet a float32 VAE
         latents = latents.to(get_module_execution_device(vae), vae.dtype)
         return vae.decode(latents, return_dict=False)[0]
-
-
-def cache_context(model: nn.Module, name: str) -> contextlib.AbstractContextManager[Any]:
-    """The transformer's ``cache_context(name)`` (diffusers' cache hooks keep one state per branch),
-    as the pipelines wrap each transformer call; a no-op for a model without one."""
-    context = getattr(model, "cache_context", None)
-    return context(name) if context is not None else contextlib.nullcontext()
 
 
 # ---- tiny preset --------------------------------------------------------------------------------

@@ -17,7 +17,6 @@ L text tokens, D text width.
 
 from __future__ import annotations
 
-import contextlib
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -124,8 +123,7 @@ class HunyuanVideoFamily(Family):
             None,
         )
         guidance = torch.tensor([call["guidance_scale"]] * latents.shape[0], dtype=dtype, device=device) * 1000.0
-        # the positive branch's embeddings, to name the branch's cache context (predict)
-        return latents, {"guidance": guidance, "dtype": dtype, "positive": cond["prompt_embeds"]}
+        return latents, {"guidance": guidance, "dtype": dtype}
 
     def set_timesteps(
         self, scheduler: Any, call: Mapping[str, Any], latents: torch.Tensor, state: dict[str, Any]
@@ -146,30 +144,22 @@ class HunyuanVideoFamily(Family):
         call: Mapping[str, Any],
         state: dict[str, Any],
     ) -> torch.Tensor:
-        branch = "cond" if cond["prompt_embeds"] is state["positive"] else "uncond"
-        with _cache_context(model, branch):
-            pred: torch.Tensor = model(
-                hidden_states=latents.to(state["dtype"]),
-                timestep=t.expand(latents.shape[0]).to(latents.dtype),
-                encoder_hidden_states=cond["prompt_embeds"],
-                encoder_attention_mask=cond["prompt_attention_mask"],
-                pooled_projections=cond["pooled_prompt_embeds"],
-                guidance=state["guidance"],
-                attention_kwargs=call["attention_kwargs"],
-                return_dict=False,
-            )[0]
+        pred: torch.Tensor = model(
+            hidden_states=latents.to(state["dtype"]),
+            timestep=t.expand(latents.shape[0]).to(latents.dtype),
+            encoder_hidden_states=cond["prompt_embeds"],
+            encoder_attention_mask=cond["prompt_attention_mask"],
+            pooled_projections=cond["pooled_prompt_embeds"],
+            guidance=state["guidance"],
+            attention_kwargs=call["attention_kwargs"],
+            return_dict=False,
+        )[0]
         return pred
 
     def decode(self, latents: torch.Tensor, call: Mapping[str, Any]) -> torch.Tensor:
         vae = self.pipe.vae
         video: torch.Tensor = vae.decode(latents.to(vae.dtype) / vae.config.scaling_factor, return_dict=False)[0]
         return video
-
-
-def _cache_context(model: nn.Module, name: str) -> contextlib.AbstractContextManager[Any]:
-    """The denoiser's cache context ``name`` (diffusers' ``CacheMixin``), as the pipeline enters it."""
-    enter = getattr(model, "cache_context", None)
-    return enter(name) if enter is not None else contextlib.nullcontext()
 
 
 # ---- tiny preset -----------------------------------------------------------------------------------

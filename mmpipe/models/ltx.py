@@ -18,7 +18,6 @@ Legend: B batch, C latent channels, t/h/w latent frames/height/width, T/H/W pixe
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -144,8 +143,7 @@ class LTXFamily(Family):
             decode.noise = randn_tensor(shape, generator=generator, device=device, dtype=dtype)
         spatial = p.vae_spatial_compression_ratio
         rope = (p.vae_temporal_compression_ratio / call["frame_rate"], spatial, spatial)
-        # the positive branch's embeddings, to name the branch's cache context (predict)
-        return latents, {"latent_size": size, "rope_interpolation_scale": rope, "positive": cond["prompt_embeds"]}
+        return latents, {"latent_size": size, "rope_interpolation_scale": rope}
 
     def set_timesteps(
         self, scheduler: Any, call: Mapping[str, Any], latents: torch.Tensor, state: dict[str, Any]
@@ -176,19 +174,18 @@ class LTXFamily(Family):
         frames, height, width = state["latent_size"]
         embeds = cond["prompt_embeds"]
         # two calls where the pipeline makes one ("cond_uncond"): one cache context per branch
-        with _cache_context(model, "cond" if embeds is state["positive"] else "uncond"):
-            pred: torch.Tensor = model(
-                hidden_states=latents.to(embeds.dtype),
-                encoder_hidden_states=embeds,
-                timestep=t.expand(latents.shape[0]),
-                encoder_attention_mask=cond["prompt_attention_mask"],
-                num_frames=frames,
-                height=height,
-                width=width,
-                rope_interpolation_scale=state["rope_interpolation_scale"],
-                attention_kwargs=call["attention_kwargs"],
-                return_dict=False,
-            )[0]
+        pred: torch.Tensor = model(
+            hidden_states=latents.to(embeds.dtype),
+            encoder_hidden_states=embeds,
+            timestep=t.expand(latents.shape[0]),
+            encoder_attention_mask=cond["prompt_attention_mask"],
+            num_frames=frames,
+            height=height,
+            width=width,
+            rope_interpolation_scale=state["rope_interpolation_scale"],
+            attention_kwargs=call["attention_kwargs"],
+            return_dict=False,
+        )[0]
         return pred.float()
 
     def guide(
@@ -233,12 +230,6 @@ class LTXFamily(Family):
             latents = (1 - scale) * latents + scale * extra.noise.to(latents.device)
         video: torch.Tensor = vae.decode(latents.to(vae.dtype), timestep, return_dict=False)[0]
         return video
-
-
-def _cache_context(model: nn.Module, name: str) -> contextlib.AbstractContextManager[Any]:
-    """The denoiser's cache context ``name`` (diffusers' ``CacheMixin``), as the pipeline enters it."""
-    enter = getattr(model, "cache_context", None)
-    return enter(name) if enter is not None else contextlib.nullcontext()
 
 
 # ---- tiny preset -----------------------------------------------------------------------------------

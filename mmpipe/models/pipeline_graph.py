@@ -22,6 +22,7 @@ Legend: B batch, N tokens, C channels; a family's own docstring names its latent
 from __future__ import annotations
 
 import abc
+import contextlib
 import copy
 import importlib
 import inspect
@@ -240,6 +241,10 @@ class Family(abc.ABC):
         """One scheduler step."""
         return scheduler.step(pred, t, latents, return_dict=False)[0]
 
+    def finish(self, latents: torch.Tensor, call: Mapping[str, Any], state: dict[str, Any]) -> torch.Tensor:
+        """The denoised latents after the last step (TI2V writes the image's latents back here)."""
+        return latents
+
     @abc.abstractmethod
     def decode(self, latents: torch.Tensor, call: Mapping[str, Any]) -> torch.Tensor:
         """The denoised latents as the pixel tensor the pipeline post-processes."""
@@ -251,6 +256,11 @@ class Family(abc.ABC):
         if self.output == "video":
             return self.pipe.video_processor.postprocess_video(pixels, output_type=call["output_type"])
         return self.pipe.image_processor.postprocess(pixels, output_type=call["output_type"])
+
+
+def _cache_context(model: nn.Module, name: str) -> contextlib.AbstractContextManager[Any]:
+    context = getattr(model, "cache_context", None)
+    return context(name) if context is not None else contextlib.nullcontext()
 
 
 def condition_specs(family: Family) -> dict[str, TensorSpec]:
@@ -330,12 +340,16 @@ class DenoiseLoopStage(_FamilyStage):
             state["step"] = i
             component, scale = fam.model_for(i, t, call, state)
             model = experts[component]
-            pred = fam.predict(model, latents, t, cond, call, state)
+            # each branch in the model's cache context, as the pipelines call it (diffusers' step
+            # caches keep one state per branch)
+            with _cache_context(model, "cond"):
+                pred = fam.predict(model, latents, t, cond, call, state)
             if uncond is not None:
-                pred_u = fam.predict(model, latents, t, uncond, call, state)
+                with _cache_context(model, "uncond"):
+                    pred_u = fam.predict(model, latents, t, uncond, call, state)
                 pred = fam.guide(pred, pred_u, scale, call, state)
             latents = fam.step(scheduler, pred, t, latents, state)
-        return {"latents": latents}
+        return {"latents": fam.finish(latents, call, state)}
 
 
 class DecodeStage(_FamilyStage):

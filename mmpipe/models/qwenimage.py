@@ -37,7 +37,6 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from torch import nn
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
-from mmpipe.models.flux import cache_context
 from mmpipe.models.pipeline_graph import Family, prompt_list
 
 logger = logging.getLogger(__name__)
@@ -147,7 +146,6 @@ class QwenImageFamily(Family):
             "img_shapes": img_shapes,
             "guidance": guidance,
             "attention_kwargs": attention_kwargs if attention_kwargs is not None else {},
-            "cond": cond,  # tells predict's positive branch from the negative one (cache contexts)
         }
 
     def set_timesteps(
@@ -179,17 +177,16 @@ class QwenImageFamily(Family):
     ) -> torch.Tensor:
         timestep = t.expand(latents.shape[0]).to(latents.dtype)
         mask = cond["prompt_embeds_mask"]
-        with cache_context(model, "cond" if cond is state["cond"] else "uncond"):
-            return model(
-                hidden_states=latents,
-                timestep=timestep / 1000,
-                guidance=state["guidance"],
-                encoder_hidden_states_mask=None if bool(mask.all()) else mask,
-                encoder_hidden_states=cond["prompt_embeds"],
-                img_shapes=state["img_shapes"],
-                attention_kwargs=state["attention_kwargs"],
-                return_dict=False,
-            )[0]
+        return model(
+            hidden_states=latents,
+            timestep=timestep / 1000,
+            guidance=state["guidance"],
+            encoder_hidden_states_mask=None if bool(mask.all()) else mask,
+            encoder_hidden_states=cond["prompt_embeds"],
+            img_shapes=state["img_shapes"],
+            attention_kwargs=state["attention_kwargs"],
+            return_dict=False,
+        )[0]
 
     def guide(
         self,

@@ -1,0 +1,332 @@
+"""Wan image-to-video (``diffusers.WanImageToVideoPipeline``): the family's hooks of the shared
+inference graph (:mod:`mmpipe.models.pipeline_graph`) and its tiny random-weight presets.
+
+Latents ``(B, Z, t, h, w)`` float32, as the pipeline keeps them. The image conditions twice:
+CLIP's penultimate hidden states ``(B, N, D)`` (``image_embeds``, for Wan 2.1 transformers, which
+have an ``image_dim``) are a condition port beside the T5 ``prompt_embeds``; and the condition
+latents, which the pipeline's own ``prepare_latents`` draws beside the noise, ride in the loop's
+state: ``(B, S + Z, t, h, w)``, a first-frame mask of ``S`` channels then the VAE latents of the
+image (and of a ``last_image``) followed by zero frames, concatenated to the latents on the
+channel axis at each step. Wan 2.2's paths run too: two experts (``transformer_2`` below
+``boundary_ratio``, with ``guidance_scale_2``), and TI2V's ``expand_timesteps``, whose condition
+is the image's latents ``(B, Z, 1, h, w)`` written over the first latent frame (whose tokens take
+timestep 0) at each step and after the last.
+
+Tiny presets: the real component classes (``WanTransformer3DModel``, ``AutoencoderKLWan``,
+``UMT5EncoderModel``, ``CLIPVisionModel`` with a ``CLIPImageProcessor``) from small configs, a
+word-level tokenizer built locally (nothing is downloaded), saved with ``save_pretrained``.
+
+Legend: B batch, Z latent channels, S the VAE's temporal compression, t/h/w latent frames/height/width,
+N image tokens, D CLIP width.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, ClassVar, Literal, cast
+
+import torch
+from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanImageToVideoPipeline, WanTransformer3DModel
+from torch import nn
+from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+from mmpipe.config import ModelConfig
+from mmpipe.data import caption_vocabulary
+from mmpipe.models.pipeline_graph import Family, prompt_list
+from mmpipe.models.wan import build_text_encoder, build_word_tokenizer, wan_vae_decode
+
+logger = logging.getLogger(__name__)
+
+
+class WanI2VFamily(Family):
+    """``WanImageToVideoPipeline``: Wan 2.1 I2V (CLIP image embeddings and the VAE-encoded first
+    frame condition one expert), FLF2V (a ``last_image`` too), Wan 2.2 I2V (two experts split at
+    ``boundary_ratio``) and TI2V (``expand_timesteps``: per-token timesteps, the first latent frame
+    is the image's).
+
+    Latents ``(B, Z, t, h, w)`` float32; the condition latents in the state (see the module docstring).
+    """
+
+    pipeline_cls = WanImageToVideoPipeline
+    text_components = ("text_encoder", "image_encoder")
+    denoise_components = ("transformer", "transformer_2")
+    condition_ports: ClassVar[tuple[str, ...]] = ("prompt_embeds", "image_embeds")
+
+    def __init__(self, pipe: Any) -> None:
+        super().__init__(pipe)
+        if not self.takes_image_embeds:
+            # Wan 2.2's transformers take no CLIP embeddings: the port would have no value. (Ports
+            # are a class attribute of Family; this pipeline's depend on its transformer's config.)
+            self.condition_ports = ("prompt_embeds",)  # type: ignore[misc]
+
+    @property
+    def takes_image_embeds(self) -> bool:
+        """Whether the pipeline feeds CLIP embeddings (its ``transformer`` has an ``image_dim``)."""
+        t = self.pipe.transformer
+        return t is not None and t.config.image_dim is not None
+
+    def _expert(self) -> Any:
+        return self.pipe.transformer if self.pipe.transformer is not None else self.pipe.transformer_2
+
+    def prepare_call(self, call: dict[str, Any]) -> dict[str, Any]:
+        """The required ``image``, the pipeline's ``check_inputs``, and the frame count and sizes
+        rounded as ``__call__`` rounds them; ``guidance_scale_2`` defaults to ``guidance_scale``
+        on two-expert pipelines."""
+        p = self.pipe
+        if "image" not in call:
+            raise TypeError(
+                "WanImageToVideoPipeline.__call__: missing a required argument: 'image' "
+                "(the first frame, a PIL image or a tensor)"
+            )
+        p.check_inputs(
+            call["prompt"],
+            call["negative_prompt"],
+            call["image"],
+            call["height"],
+            call["width"],
+            callback_on_step_end_tensor_inputs=call["callback_on_step_end_tensor_inputs"],
+            guidance_scale_2=call["guidance_scale_2"],
+        )
+        prompt_list(call["prompt"])
+        height, width, frames = call["height"], call["width"], call["num_frames"]
+        scale_t = p.vae_scale_factor_temporal
+        if frames % scale_t != 1:
+            logger.warning("num_frames - 1 must be divisible by %d; rounding %d", scale_t, frames)
+            frames = frames // scale_t * scale_t + 1
+        frames = max(frames, 1)
+        patch = self._expert().config.patch_size
+        mh, mw = p.vae_scale_factor_spatial * patch[1], p.vae_scale_factor_spatial * patch[2]
+        if (height % mh, width % mw) != (0, 0):
+            logger.warning("height/width must be multiples of (%d, %d); rounding (%d, %d)", mh, mw, height, width)
+            height, width = height // mh * mh, width // mw * mw
+        scale_2 = call["guidance_scale_2"]
+        if p.config.boundary_ratio is not None and scale_2 is None:
+            scale_2 = call["guidance_scale"]
+        return call | {"height": height, "width": width, "num_frames": frames, "guidance_scale_2": scale_2}
+
+    def guided(self, call: Mapping[str, Any]) -> bool:
+        # the pipeline's do_classifier_free_guidance: guidance_scale alone, for both experts
+        return float(call["guidance_scale"]) > 1.0
+
+    def encode(self, call: Mapping[str, Any], guided: bool) -> dict[str, torch.Tensor]:
+        """``encode_prompt``, and ``encode_image`` on the image (and ``last_image``) where the
+        transformer takes CLIP embeddings: both branches share them."""
+        p = self.pipe
+        device = self.execution_device
+        pos, neg = p.encode_prompt(
+            prompt=call["prompt"],
+            negative_prompt=call["negative_prompt"],
+            do_classifier_free_guidance=guided,
+            num_videos_per_prompt=call["num_videos_per_prompt"],
+            max_sequence_length=call["max_sequence_length"],
+            device=device,
+        )
+        dtype = self._expert().dtype
+        out = {"prompt_embeds": pos.to(dtype)}
+        if neg is not None:
+            out["negative_prompt_embeds"] = neg.to(dtype)
+        if self.takes_image_embeds:
+            images = call["image"] if call["last_image"] is None else [call["image"], call["last_image"]]
+            # as __call__: repeated for the prompts, not for num_videos_per_prompt
+            embeds = p.encode_image(images, device).repeat(len(prompt_list(call["prompt"])), 1, 1).to(dtype)
+            out["image_embeds"] = embeds
+            if guided:
+                out["negative_image_embeds"] = embeds
+        return out
+
+    def prepare_latents(
+        self, call: Mapping[str, Any], cond: Mapping[str, torch.Tensor], generator: torch.Generator | None
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
+        """The pipeline's ``video_processor.preprocess`` of the image(s) and its ``prepare_latents``:
+        the noise, then the VAE-encoded condition (the VAE is the decode stage's component; the
+        pipeline's method runs it where it is)."""
+        p = self.pipe
+        device = self.execution_device
+        height, width = call["height"], call["width"]
+        image = p.video_processor.preprocess(call["image"], height=height, width=width).to(device, torch.float32)
+        last = call["last_image"]
+        if last is not None:
+            last = p.video_processor.preprocess(last, height=height, width=width).to(device, torch.float32)
+        out = p.prepare_latents(
+            image,
+            len(prompt_list(call["prompt"])) * call["num_videos_per_prompt"],
+            p.vae.config.z_dim,
+            height,
+            width,
+            call["num_frames"],
+            torch.float32,
+            device,
+            generator,
+            None,
+            last,
+        )
+        latents, condition = out[0], out[1]
+        return latents, {
+            "condition": condition,
+            "first_frame_mask": out[2] if p.config.expand_timesteps else None,
+            "dtype": self._expert().dtype,
+        }
+
+    def set_timesteps(
+        self, scheduler: Any, call: Mapping[str, Any], latents: torch.Tensor, state: dict[str, Any]
+    ) -> torch.Tensor:
+        """The pipeline's ``set_timesteps``; Wan 2.2's expert boundary in timesteps."""
+        scheduler.set_timesteps(call["num_inference_steps"], device=self.execution_device)
+        ratio = self.pipe.config.boundary_ratio
+        state["boundary"] = ratio * scheduler.config.num_train_timesteps if ratio is not None else None
+        return cast(torch.Tensor, scheduler.timesteps)
+
+    def model_for(
+        self, step: int, t: torch.Tensor, call: Mapping[str, Any], state: Mapping[str, Any]
+    ) -> tuple[str, float]:
+        """``transformer`` with ``guidance_scale`` from the boundary up, ``transformer_2`` with
+        ``guidance_scale_2`` below it."""
+        if state["boundary"] is None or t >= state["boundary"]:
+            return "transformer", float(call["guidance_scale"])
+        return "transformer_2", float(call["guidance_scale_2"])
+
+    def predict(
+        self,
+        model: nn.Module,
+        latents: torch.Tensor,
+        t: torch.Tensor,
+        cond: Mapping[str, torch.Tensor],
+        call: Mapping[str, Any],
+        state: dict[str, Any],
+    ) -> torch.Tensor:
+        """The latents with their condition (concatenated, or TI2V's first frame replaced, with a
+        timestep per 2x2-patched token) through one expert."""
+        condition, mask = state["condition"], state["first_frame_mask"]
+        if mask is not None:
+            model_input = ((1 - mask) * condition + mask * latents).to(state["dtype"])
+            timestep = (mask[0][0][:, ::2, ::2] * t).flatten().unsqueeze(0).expand(latents.shape[0], -1)
+        else:
+            model_input = torch.cat([latents, condition], dim=1).to(state["dtype"])
+            timestep = t.expand(latents.shape[0])
+        pred = model(
+            hidden_states=model_input,
+            timestep=timestep,
+            encoder_hidden_states=cond["prompt_embeds"],
+            encoder_hidden_states_image=cond.get("image_embeds"),
+            attention_kwargs=call["attention_kwargs"],
+            return_dict=False,
+        )[0]
+        return cast(torch.Tensor, pred)
+
+    def finish(self, latents: torch.Tensor, call: Mapping[str, Any], state: dict[str, Any]) -> torch.Tensor:
+        """TI2V: the first latent frame becomes the image's, as ``__call__`` does after its loop
+        (so ``output_type="latent"`` returns it too)."""
+        mask = state["first_frame_mask"]
+        return latents if mask is None else (1 - mask) * state["condition"] + mask * latents
+
+    def decode(self, latents: torch.Tensor, call: Mapping[str, Any]) -> torch.Tensor:
+        """The pipeline's decode (de-normalised with the VAE's latent statistics): ``(B, 3, T, H, W)``."""
+        return wan_vae_decode(self.pipe.vae, latents)
+
+
+# ---- tiny presets -------------------------------------------------------------------------------
+
+#: the tiny presets: Wan 2.1 I2V (CLIP embeddings, the condition concatenated), FLF2V (first and
+#: last frames), Wan 2.2 I2V (two experts, no CLIP) and TI2V (``expand_timesteps``, no CLIP)
+TinyVariant = Literal["wan21", "flf2v", "wan22", "ti2v"]
+
+CLIP_IMAGE_SIZE = 32
+CLIP_PATCH = 8  # (32 / 8)^2 patches + the class token: 17 image tokens
+
+
+def build_tiny_wan_i2v_pipeline(
+    *, seed: int = 0, variant: TinyVariant = "wan21", texts: Sequence[str] | None = None
+) -> WanImageToVideoPipeline:
+    """Random-weight ``WanImageToVideoPipeline`` components from small configs; weights are a pure
+    function of ``seed``. ``variant`` picks a real checkpoint's layout (:data:`TinyVariant`); the
+    tokenizer knows the words of ``texts`` (the moving-shapes captions by default). Prompts are
+    padded to 512 tokens (the default ``max_sequence_length``: Wan 2.1's image cross-attention
+    splits the image tokens off at 512 text tokens); sizes are multiples of 16 pixels."""
+    if variant not in ("wan21", "flf2v", "wan22", "ti2v"):
+        raise ValueError(f"variant must be 'wan21', 'flf2v', 'wan22' or 'ti2v', got {variant!r}")
+    texts = [*caption_vocabulary(), "blurry static"] if texts is None else texts
+    spec = ModelConfig()
+    tokenizer = build_word_tokenizer(texts)
+    clip = variant in ("wan21", "flf2v")
+    image_tokens = (CLIP_IMAGE_SIZE // CLIP_PATCH) ** 2 + 1
+    heads, head_dim = 2, 16
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        text_encoder = build_text_encoder(spec, vocab_size=len(tokenizer))
+        vae = AutoencoderKLWan(
+            base_dim=4, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
+        )
+        image_encoder = (
+            CLIPVisionModel(
+                CLIPVisionConfig(
+                    hidden_size=16,
+                    intermediate_size=32,
+                    projection_dim=16,
+                    num_hidden_layers=2,
+                    num_attention_heads=2,
+                    image_size=CLIP_IMAGE_SIZE,
+                    patch_size=CLIP_PATCH,
+                )
+            )
+            if clip
+            else None
+        )
+        experts = [
+            WanTransformer3DModel(
+                patch_size=(1, 2, 2),
+                num_attention_heads=heads,
+                attention_head_dim=head_dim,
+                # TI2V denoises the latents alone; the others see [latents, mask, condition]
+                in_channels=16 if variant == "ti2v" else 16 + 4 + 16,
+                out_channels=16,
+                text_dim=spec.text_dim,
+                freq_dim=64,
+                ffn_dim=64,
+                num_layers=2,
+                cross_attn_norm=True,
+                qk_norm="rms_norm_across_heads",
+                image_dim=16 if clip else None,
+                added_kv_proj_dim=heads * head_dim if clip else None,
+                rope_max_seq_len=64,
+                pos_embed_seq_len=2 * image_tokens if variant == "flf2v" else None,
+            )
+            for _ in range(2 if variant == "wan22" else 1)
+        ]
+    for module in (text_encoder, vae, image_encoder, *experts):
+        if module is not None:
+            cast(nn.Module, module).eval()  # as from_pretrained returns them
+    image_processor = (
+        CLIPImageProcessor(
+            size={"shortest_edge": CLIP_IMAGE_SIZE}, crop_size={"height": CLIP_IMAGE_SIZE, "width": CLIP_IMAGE_SIZE}
+        )
+        if clip
+        else None
+    )
+    scheduler = UniPCMultistepScheduler(
+        prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=1000, flow_shift=3.0
+    )
+    return WanImageToVideoPipeline(
+        tokenizer=tokenizer,
+        text_encoder=text_encoder,
+        vae=vae,
+        scheduler=scheduler,
+        image_processor=image_processor,
+        image_encoder=image_encoder,
+        transformer=experts[0],
+        transformer_2=experts[1] if len(experts) > 1 else None,
+        boundary_ratio=0.9 if variant == "wan22" else None,
+        expand_timesteps=variant == "ti2v",
+    )
+
+
+def save_tiny_wan_i2v_pipeline(
+    path: str | Path, *, seed: int = 0, variant: TinyVariant = "wan21", texts: Sequence[str] | None = None
+) -> Path:
+    """Build (:func:`build_tiny_wan_i2v_pipeline`) and ``save_pretrained`` a tiny
+    ``WanImageToVideoPipeline`` into ``path``."""
+    path = Path(path)
+    pipe: Any = build_tiny_wan_i2v_pipeline(seed=seed, variant=variant, texts=texts)
+    pipe.save_pretrained(path)
+    return path
