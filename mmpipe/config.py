@@ -97,8 +97,8 @@ class ModelConfig:
                 raise ValueError(f"model.boundary_ratio must be in (0, 1), got {self.boundary_ratio}")
             if self.path is not None or self.kind != "t2v":
                 raise ValueError(
-                    "model.boundary_ratio makes the tiny t2v preset two-expert; with model.path the "
-                    "directory's model_index.json says (set it to null)"
+                    "model.boundary_ratio makes the tiny or an architecture t2v preset two-expert; with "
+                    "model.path the directory's model_index.json says (set it to null)"
                 )
         if self.kind == "u2g" and self.path is not None:
             raise ValueError("model.kind=u2g trains the tiny preset only; model.path must be null")

@@ -52,6 +52,13 @@ def build_arch_graph(model: ModelConfig) -> Graph:
         HunyuanVideoDiTFlowMatchingStage if dit_cls is HunyuanVideoTransformer3DModel else WanDiTFlowMatchingStage
     )
     dit = dit_stage("dit", source("dit"), shift=model.flow_shift)
+    experts = [dit]
+    if model.boundary_ratio is not None:  # Wan 2.2: two experts of one config, each on its noise range
+        if dit_stage is not WanDiTFlowMatchingStage or model.kind != "t2v":
+            raise ValueError(f"model {model.name!r}: model.boundary_ratio needs a Wan t2v DiT")
+        b = model.boundary_ratio
+        dit = dit_stage("dit", source("dit"), shift=model.flow_shift, sigma_range=(b, 1.0))
+        experts = [dit, dit_stage("dit_2", source("dit"), shift=model.flow_shift, sigma_range=(0.0, b))]
     g = Graph(f"{model.name}_train")
     g.add_input("input_ids", TensorSpec(("B", model.text_len), torch.int64))
     g.add_input("attention_mask", TensorSpec(("B", model.text_len), torch.int64))
@@ -83,9 +90,13 @@ def build_arch_graph(model: ModelConfig) -> Graph:
             g.add_stage(stage)
         edges = U2G_TRAIN_EDGES
     g.add_stage(vae)
-    g.add_stage(dit)
+    for expert in experts:
+        g.add_stage(expert)
     for src, dst in edges:  # the same wiring as the trainable graphs of mmpipe.models.wan and mmpipe.models.u2g
         g.connect(src, dst)
+    if len(experts) == 2:
+        g.connect("text.context", "dit_2.context")
+        g.connect("vae.latents", "dit_2.latents")
     g.validate()
     return g
 

@@ -143,6 +143,7 @@ def test_full_size_wan_dit_costs_seconds_and_no_memory() -> None:
     [
         # (stage, parameters in billions) of the released architectures
         ("wan14b_t2v", {"text": 5.68, "dit": 14.29}),
+        ("wan22_a14b_t2v", {"text": 5.68, "dit": 14.29, "dit_2": 14.29}),  # two 14B experts
         ("hunyuan_t2v", {"text": 7.07, "dit": 12.83}),
         ("u2g_full", {"vision": 0.43, "llm": 7.07, "dit": 14.29}),
     ],
