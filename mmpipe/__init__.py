@@ -30,7 +30,7 @@ _EXPORTS = {
     "TensorSpec": "mmpipe.graph",
     "PipelineGraph": "mmpipe.models.pipeline_graph",
     "T2VGraph": "mmpipe.models.wan",
-    "from_diffusers": "mmpipe.models.pipeline_graph",
+    "from_diffusers": "mmpipe.models.loading",
     "plan": "mmpipe.assemble.planning",
     "train": "mmpipe.train",
 }
@@ -50,7 +50,8 @@ __all__ = [
 if TYPE_CHECKING:
     from mmpipe.assemble.planning import plan
     from mmpipe.graph import Capabilities, Edge, Graph, Stage, TensorSpec
-    from mmpipe.models.pipeline_graph import PipelineGraph, from_diffusers
+    from mmpipe.models.loading import from_diffusers
+    from mmpipe.models.pipeline_graph import PipelineGraph
     from mmpipe.models.wan import T2VGraph
     from mmpipe.train import train
 

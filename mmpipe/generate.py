@@ -20,7 +20,8 @@ from PIL import Image
 from mmpipe.config import GenerateConfig
 from mmpipe.data import frames_to_uint8, write_gif, write_mp4, write_png
 from mmpipe.devices import DeviceType, resolve_device
-from mmpipe.models.pipeline_graph import PipelineGraph, check_family_dir, from_diffusers
+from mmpipe.models.loading import from_diffusers
+from mmpipe.models.pipeline_graph import PipelineGraph, check_family_dir
 from mmpipe.report.recording import record_generation
 from mmpipe.rundir import load_run_config
 from mmpipe.runtime.trained import check_trained_run, load_trained_graph

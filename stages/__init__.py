@@ -4,16 +4,26 @@ Each adapter declares its ports and capabilities and maps input ports to output 
 a model's source. Modules come from a local ``from_pretrained`` directory or an existing object.
 """
 
-from mmpipe.stages.dit import HunyuanVideoDiTFlowMatchingStage, WanDiTFlowMatchingStage
+from mmpipe.stages.dit import HunyuanVideoDiTFlowMatchingStage, LTXDiTFlowMatchingStage, WanDiTFlowMatchingStage
 from mmpipe.stages.sampler import DenoiseStage
-from mmpipe.stages.text import CausalLMTextEncoderStage, T5TextEncoderStage, TextEncoderStage
-from mmpipe.stages.vae import HunyuanVAEEncodeStage, WanVAEDecodeStage, WanVAEEncodeStage
+from mmpipe.stages.text import (
+    CausalLMTextEncoderStage,
+    HunyuanTextEncoderStage,
+    LTXT5TextEncoderStage,
+    T5TextEncoderStage,
+    TextEncoderStage,
+)
+from mmpipe.stages.vae import HunyuanVAEEncodeStage, LTXVAEEncodeStage, WanVAEDecodeStage, WanVAEEncodeStage
 
 __all__ = [
     "CausalLMTextEncoderStage",
     "DenoiseStage",
     "HunyuanVAEEncodeStage",
+    "HunyuanTextEncoderStage",
     "HunyuanVideoDiTFlowMatchingStage",
+    "LTXDiTFlowMatchingStage",
+    "LTXT5TextEncoderStage",
+    "LTXVAEEncodeStage",
     "T5TextEncoderStage",
     "TextEncoderStage",
     "WanDiTFlowMatchingStage",

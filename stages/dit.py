@@ -10,8 +10,11 @@ noise range only (``sigma_range``): each expert of Wan 2.2's two-expert DiT trai
 the sampler gives it (the high-noise expert from ``boundary_ratio`` up, the low-noise one below).
 
 HunyuanVideo's DiT (``HunyuanVideoTransformer3DModel``) trains with the same objective and the same
-draw; it additionally takes a text mask and a pooled text vector, both derived here from the
-(zero-padded) context.
+draw; it additionally takes a text mask and a pooled text vector: the real ones (CLIP's pooled
+vector and the Llama mask, from a ``HunyuanVideoPipeline`` directory's text stage) or, for the
+architecture-only presets, both derived from the (zero-padded) context. LTX-Video's DiT
+(``LTXVideoTransformer3DModel``) trains with the same objective on packed latents, with the text
+mask and the rope interpolation scale ``LTXPipeline`` gives it.
 
 Legend: B batch, Z latent channels, t/h/w latent frames/height/width, L text tokens, D text dim.
 """
@@ -20,12 +23,14 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import math
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, cast
 
 import torch
 import torch.nn.functional as F
-from diffusers import HunyuanVideoTransformer3DModel, WanTransformer3DModel
+from diffusers import HunyuanVideoTransformer3DModel, LTXPipeline, LTXVideoTransformer3DModel, WanTransformer3DModel
+from diffusers.pipelines.ltx.pipeline_ltx import calculate_shift
 from torch import nn
 
 from mmpipe.graph import Capabilities, TensorSpec
@@ -163,29 +168,38 @@ class FlowMatchingDiTStage(SourcedStage):
                 )
             frames = (*region.ranges[0], region.length)
         noise_BZthw, sigma_B = sample_flow_matching(
-            x0_BZthw, seed=seed, shift=self.shift, rows=rows, frames=frames, sigma_range=self.sigma_range
+            x0_BZthw, seed=seed, shift=self.flow_shift(x0_BZthw), rows=rows, frames=frames, sigma_range=self.sigma_range
         )
         s_B11111 = sigma_B.view(-1, 1, 1, 1, 1)
         xs_BZthw = (1 - s_B11111) * x0_BZthw + s_B11111 * noise_BZthw
         timestep_B = sigma_B * self.num_train_timesteps
         if frames is None:
-            pred_BZthw = self.predict(module, xs_BZthw, timestep_B, context_BLD)
+            pred_BZthw = self.predict(module, xs_BZthw, timestep_B, context_BLD, inputs)
             return {"loss": F.mse_loss(pred_BZthw.float(), (noise_BZthw - x0_BZthw).float())}
         cfg = self.source.config
         p_h, p_w = cfg.patch_size[1:] if isinstance(cfg.patch_size, list | tuple) else (cfg.patch_size,) * 2
         per_frame = (x0_BZthw.shape[3] // p_h) * (x0_BZthw.shape[4] // p_w)
         assert self._sequence is not None, "shards are only passed to a stage made sequence parallel"
         with self._sequence.tokens(frames[2] * per_frame, unit=per_frame):
-            pred_BZthw = self.predict(module, xs_BZthw, timestep_B, context_BLD)
+            pred_BZthw = self.predict(module, xs_BZthw, timestep_B, context_BLD, inputs)
         # This rank's share of the mean over all frames: the shares of a replica sum to its loss.
         whole = x0_BZthw.numel() // x0_BZthw.shape[2] * frames[2]
         return {"loss": (pred_BZthw.float() - (noise_BZthw - x0_BZthw).float()).square().sum() / whole}
 
+    def flow_shift(self, x0_BZthw: torch.Tensor) -> float:
+        """The timestep shift of a micro-batch's draw (the constant ``shift``; LTX's depends on the grid)."""
+        return self.shift
+
     @abc.abstractmethod
     def predict(
-        self, module: nn.Module, xs_BZthw: torch.Tensor, timestep_B: torch.Tensor, context_BLD: torch.Tensor
+        self,
+        module: nn.Module,
+        xs_BZthw: torch.Tensor,
+        timestep_B: torch.Tensor,
+        context_BLD: torch.Tensor,
+        inputs: Mapping[str, Any],
     ) -> torch.Tensor:
-        """The module's velocity prediction for the noised latents."""
+        """The module's velocity prediction for the noised latents (``inputs``: the stage's other ports)."""
 
 
 def _rotary_for_shard(state: SequenceState, *, token_dim: int) -> Callable[..., tuple[torch.Tensor, ...] | GridRotary]:
@@ -228,7 +242,12 @@ class WanDiTFlowMatchingStage(FlowMatchingDiTStage):
         use_kernels(module, choice)
 
     def predict(
-        self, module: nn.Module, xs_BZthw: torch.Tensor, timestep_B: torch.Tensor, context_BLD: torch.Tensor
+        self,
+        module: nn.Module,
+        xs_BZthw: torch.Tensor,
+        timestep_B: torch.Tensor,
+        context_BLD: torch.Tensor,
+        inputs: Mapping[str, Any],
     ) -> torch.Tensor:
         dtype = cast(torch.dtype, module.dtype)  # diffusers ModelMixin.dtype
         return module(
@@ -240,15 +259,19 @@ class WanDiTFlowMatchingStage(FlowMatchingDiTStage):
 
 
 class HunyuanVideoDiTFlowMatchingStage(FlowMatchingDiTStage):
-    """``latents, context -> loss``: one flow-matching training step of the HunyuanVideo DiT.
+    """``latents, context[, context_mask, pooled] -> loss``: one flow-matching training step of the
+    HunyuanVideo DiT.
 
-    The module also needs ``encoder_attention_mask`` and ``pooled_projections``; both come from the
-    context, whose padded positions the text stages set to exactly zero: the mask is
-    ``(context != 0).any(-1)`` (token 0 always counts, so an all-padding row stays finite) and the
-    pooled vector the mean of the valid tokens (so the module's ``pooled_projection_dim`` must equal
-    its ``text_embed_dim``). Guidance-distilled checkpoints (``guidance_embeds=True``) get the
-    embedded guidance scale ``guidance`` (default 6.0, the pipeline's), times 1000 as
-    ``HunyuanVideoPipeline`` passes it.
+    The module also needs ``encoder_attention_mask`` and ``pooled_projections``. With
+    ``text_inputs=True`` (a ``HunyuanVideoPipeline`` directory) they are the ports ``context_mask``
+    ``(B, L)`` (the Llama tokens' mask, cropped like the context) and ``pooled`` ``(B, D_clip)``
+    (CLIP's pooled vector), as ``HunyuanVideoPipeline.encode_prompt`` returns them. Without (the
+    architecture-only presets, one text encoder) both come from the context, whose padded positions
+    the text stages set to exactly zero: the mask is ``(context != 0).any(-1)`` (token 0 always
+    counts, so an all-padding row stays finite) and the pooled vector the mean of the valid tokens
+    (so the module's ``pooled_projection_dim`` must equal its ``text_embed_dim``).
+    Guidance-distilled checkpoints (``guidance_embeds=True``) get the embedded guidance scale
+    ``guidance`` (default 6.0, the pipeline's), times 1000 as ``HunyuanVideoPipeline`` passes it.
     """
 
     model_cls = HunyuanVideoTransformer3DModel
@@ -262,10 +285,12 @@ class HunyuanVideoDiTFlowMatchingStage(FlowMatchingDiTStage):
         shift: float = 1.0,
         num_train_timesteps: int = 1000,
         guidance: float | None = None,
+        text_inputs: bool = False,
     ) -> None:
         super().__init__(name, source, shift=shift, num_train_timesteps=num_train_timesteps)
         cfg = source.config
-        if cfg.pooled_projection_dim != cfg.text_embed_dim:
+        self.text_inputs = text_inputs
+        if not text_inputs and cfg.pooled_projection_dim != cfg.text_embed_dim:
             raise ValueError(
                 f"stage {name!r}: pooled_projections are the masked mean of the context, so "
                 f"pooled_projection_dim ({cfg.pooled_projection_dim}) must equal text_embed_dim ({cfg.text_embed_dim})"
@@ -285,17 +310,34 @@ class HunyuanVideoDiTFlowMatchingStage(FlowMatchingDiTStage):
             block.attn.set_processor(JointSequenceParallelProcessor(block.attn.processor, state))
         m.rope.register_forward_hook(_rotary_for_shard(state, token_dim=0))
 
+    @property
+    def inputs(self) -> Mapping[str, TensorSpec]:
+        ports = dict(super().inputs)
+        if self.text_inputs:
+            ports["context_mask"] = TensorSpec(("B", "L"), torch.int64)
+            ports["pooled"] = TensorSpec(("B", self.source.config.pooled_projection_dim))
+        return ports
+
     def predict(
-        self, module: nn.Module, xs_BZthw: torch.Tensor, timestep_B: torch.Tensor, context_BLD: torch.Tensor
+        self,
+        module: nn.Module,
+        xs_BZthw: torch.Tensor,
+        timestep_B: torch.Tensor,
+        context_BLD: torch.Tensor,
+        inputs: Mapping[str, Any],
     ) -> torch.Tensor:
         dtype = cast(torch.dtype, module.dtype)  # diffusers ModelMixin.dtype
-        # Text stages zero padded positions exactly; a real token is never all-zero. The module builds
-        # its joint-attention mask from the *count* of valid tokens (valid tokens must come first) and
-        # its token refiner divides by that count: an all-padding row (a zeroed prompt) keeps token 0.
-        mask_BL = (context_BLD != 0).any(-1)
-        mask_BL[:, 0] = True
-        mask_BL1 = mask_BL.unsqueeze(-1).float()
-        pooled_BD = (context_BLD.float() * mask_BL1).sum(1) / mask_BL1.sum(1).clamp(min=1)
+        if self.text_inputs:  # as HunyuanVideoPipeline passes them: all in the DiT's dtype
+            mask_BL: torch.Tensor = inputs["context_mask"].to(dtype)
+            pooled_BD: torch.Tensor = inputs["pooled"]
+        else:
+            # Text stages zero padded positions exactly; a real token is never all-zero. The module builds
+            # its joint-attention mask from the *count* of valid tokens (valid tokens must come first) and
+            # its token refiner divides by that count: an all-padding row (a zeroed prompt) keeps token 0.
+            mask_BL = (context_BLD != 0).any(-1)
+            mask_BL[:, 0] = True
+            mask_BL1 = mask_BL.unsqueeze(-1).float()
+            pooled_BD = (context_BLD.float() * mask_BL1).sum(1) / mask_BL1.sum(1).clamp(min=1)
         guidance_B = None
         if self.guidance is not None:
             guidance_B = torch.full(timestep_B.shape, self.guidance * 1000.0, device=timestep_B.device)
@@ -308,3 +350,81 @@ class HunyuanVideoDiTFlowMatchingStage(FlowMatchingDiTStage):
             guidance=guidance_B,
             return_dict=False,
         )[0]
+
+
+class LTXDiTFlowMatchingStage(FlowMatchingDiTStage):
+    """``latents, context, context_mask -> loss``: one flow-matching training step of the LTX-Video DiT
+    (diffusers ``LTXVideoTransformer3DModel``).
+
+    The latents ``(B, C, t, h, w)`` (normalised as ``LTXPipeline._normalize_latents`` does) are noised
+    unpacked, packed into tokens for the module (``LTXPipeline._pack_latents``) and its prediction
+    unpacked again; the module also takes the T5 mask (``encoder_attention_mask``), the latent grid and
+    the rope interpolation scale ``(vae_temporal / frame_rate, vae_spatial, vae_spatial)``, as
+    ``LTXPipeline.__call__`` passes them. ``dynamic_shift=(base_seq_len, max_seq_len, base_shift,
+    max_shift)`` (a scheduler with ``use_dynamic_shifting``): the shift of each draw is
+    ``exp(mu)`` with ``mu = calculate_shift(t * h * w, ...)``, the warp the sampler applies to its
+    sigmas for that grid; otherwise the constant ``shift``. Sequence parallelism is not supported
+    (LTX's rotary embedding is computed from the whole grid inside the module).
+    """
+
+    model_cls = LTXVideoTransformer3DModel
+    context_dim_key = "caption_channels"
+    capabilities = Capabilities(sequence_parallel=False, fsdp=True, offload=True)
+
+    def __init__(
+        self,
+        name: str,
+        source: ModuleSource,
+        *,
+        vae_compression: tuple[int, int],
+        frame_rate: float = 25.0,
+        shift: float = 1.0,
+        dynamic_shift: tuple[int, int, float, float] | None = None,
+        num_train_timesteps: int = 1000,
+    ) -> None:
+        super().__init__(name, source, shift=shift, num_train_timesteps=num_train_timesteps)
+        if frame_rate <= 0:
+            raise ValueError(f"stage {name!r}: frame_rate must be positive, got {frame_rate}")
+        temporal, spatial = vae_compression
+        self.rope_interpolation_scale = (temporal / frame_rate, float(spatial), float(spatial))
+        self.dynamic_shift = dynamic_shift
+
+    @property
+    def inputs(self) -> Mapping[str, TensorSpec]:
+        return {**super().inputs, "context_mask": TensorSpec(("B", "L"), torch.int64)}
+
+    def apply_sequence_hooks(self, module: nn.Module, state: SequenceState) -> None:
+        raise ValueError(f"stage {self.name!r}: the LTX-Video DiT cannot be sequence parallel")
+
+    def flow_shift(self, x0_BZthw: torch.Tensor) -> float:
+        if self.dynamic_shift is None:
+            return self.shift
+        base_seq, max_seq, base_shift, max_shift = self.dynamic_shift
+        t, h, w = x0_BZthw.shape[2:]
+        return math.exp(calculate_shift(t * h * w, base_seq, max_seq, base_shift, max_shift))
+
+    def predict(
+        self,
+        module: nn.Module,
+        xs_BZthw: torch.Tensor,
+        timestep_B: torch.Tensor,
+        context_BLD: torch.Tensor,
+        inputs: Mapping[str, Any],
+    ) -> torch.Tensor:
+        cfg = self.source.config
+        p, p_t = cfg.patch_size, cfg.patch_size_t
+        t, h, w = xs_BZthw.shape[2:]
+        dtype = cast(torch.dtype, module.dtype)  # the pipeline's: the text embeddings' (= the DiT's) dtype
+        xs_BSD = LTXPipeline._pack_latents(xs_BZthw, p, p_t)
+        pred_BSD = module(
+            hidden_states=xs_BSD.to(dtype),
+            encoder_hidden_states=context_BLD.to(dtype),
+            timestep=timestep_B,
+            encoder_attention_mask=inputs["context_mask"].bool(),
+            num_frames=t,
+            height=h,
+            width=w,
+            rope_interpolation_scale=self.rope_interpolation_scale,
+            return_dict=False,
+        )[0]
+        return cast(torch.Tensor, LTXPipeline._unpack_latents(pred_BSD.float(), t // p_t, h // p, w // p, p, p_t))

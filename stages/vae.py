@@ -8,6 +8,9 @@ HunyuanVideo latents are only scaled: ``z * scaling_factor`` on encode (the imag
 framepack pipelines' ``prepare_latents``), ``z / scaling_factor`` before decode
 (``HunyuanVideoPipeline.__call__``).
 
+LTX-Video latents are normalised as ``LTXPipeline._normalize_latents`` does, with the VAE's own
+``latents_mean`` / ``latents_std`` buffers: ``(z - mean) * scaling_factor / std``.
+
 Legend: B batch, C channels (3 pixels, Z latent), T/t frames (pixel/latent), H/h, W/w height/width.
 """
 
@@ -17,7 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from diffusers import AutoencoderKLHunyuanVideo, AutoencoderKLWan
+from diffusers import AutoencoderKLHunyuanVideo, AutoencoderKLLTXVideo, AutoencoderKLWan, LTXPipeline
 from torch import nn
 
 from mmpipe.graph import Capabilities, TensorSpec
@@ -108,3 +111,30 @@ class HunyuanVAEEncodeStage(SourcedStage):
         video_B3THW = inputs["video"].to(vae.dtype)
         z_BZthw = vae.encode(video_B3THW).latent_dist.mode().float()
         return {"latents": z_BZthw * self.scaling_factor}
+
+
+class LTXVAEEncodeStage(SourcedStage):
+    """``video (B, 3, T, H, W) in [-1, 1] -> latents (B, Z, t, h, w)``, the distribution's mode,
+    normalised with the VAE's latent statistics (``LTXPipeline._normalize_latents``)."""
+
+    kind = "vae_encode"
+    model_cls = AutoencoderKLLTXVideo
+    capabilities = Capabilities(offload=True)
+
+    def __init__(self, name: str, source: ModuleSource) -> None:
+        super().__init__(name, source, frozen=True)
+        self.z_dim: int = source.config.latent_channels
+
+    @property
+    def inputs(self) -> Mapping[str, TensorSpec]:
+        return {"video": TensorSpec(("B", 3, "T", "H", "W"), torch.float32)}
+
+    @property
+    def outputs(self) -> Mapping[str, TensorSpec]:
+        return {"latents": TensorSpec(("B", self.z_dim, "t", "h", "w"), torch.float32)}
+
+    def forward(self, module: nn.Module, inputs: Mapping[str, Any], **options: Any) -> dict[str, Any]:
+        vae: Any = module  # diffusers' AutoencoderKLLTXVideo
+        z_BZthw = vae.encode(inputs["video"].to(vae.dtype)).latent_dist.mode().float()
+        latents = LTXPipeline._normalize_latents(z_BZthw, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
+        return {"latents": latents}

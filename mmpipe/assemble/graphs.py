@@ -44,8 +44,10 @@ def sample_inputs(graph: Graph, text_len: int, frames: int, height: int, width: 
     for name, spec in graph.input_specs.items():
         if not spec.required:
             continue
-        if name in ("input_ids", "attention_mask"):
-            shapes[name] = ((1, text_len), torch.int64)
+        fixed = spec.shape is not None and all(isinstance(d, int) for d in spec.shape[1:])
+        if name in ("input_ids", "attention_mask"):  # the spec's length where it fixes one (a prompt template's)
+            length = spec.shape[-1] if spec.shape is not None and isinstance(spec.shape[-1], int) else text_len
+            shapes[name] = ((1, length), torch.int64)
         elif name == "video":
             shapes[name] = ((1, 3, frames, height, width), torch.float32)
         elif name == "pixel_values":
@@ -53,6 +55,8 @@ def sample_inputs(graph: Graph, text_len: int, frames: int, height: int, width: 
             if not isinstance(size, int):
                 raise ValueError(f"graph input {name!r} needs a fixed image size, got {spec.shape}")
             shapes[name] = ((1, 3, size, size), torch.float32)
+        elif fixed and spec.shape is not None and spec.dtype is not None:  # e.g. CLIP's clip_input_ids
+            shapes[name] = ((1, *(int(d) for d in spec.shape[1:])), spec.dtype)
         else:
             raise ValueError(f"graph input {name!r} has no per-sample shape rule")
     return shapes

@@ -3,6 +3,9 @@
 
 - :mod:`~mmpipe.models.wan`: Wan 2.1 text-to-video (``model.kind=t2v``): ``from_diffusers``, the
   inference and training graphs, the tiny and full-size random-weight pipelines;
+- :mod:`~mmpipe.models.ltx`, :mod:`~mmpipe.models.hunyuan`: LTX-Video and HunyuanVideo; with
+  ``model.path`` a directory of theirs, ``model.kind=t2v`` trains them (the training graph is chosen
+  by ``model_index.json``'s ``_class_name``, :data:`TRAINING_PIPELINES`);
 - :mod:`~mmpipe.models.u2g`: understand-then-generate (``model.kind=u2g``);
 - :mod:`~mmpipe.models.arch`: architecture-only graphs of full-size presets (Wan, HunyuanVideo).
 
@@ -11,14 +14,55 @@ A new family is a new module here plus an entry in :data:`FAMILIES`.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
 from mmpipe.config import ModelConfig
 from mmpipe.graph import Graph
+from mmpipe.models.hunyuan import build_hunyuan_training_graph
+from mmpipe.models.ltx import build_ltx_training_graph
 from mmpipe.models.u2g import U2G_TRAIN_STAGES, build_u2g_training_graph, save_tiny_u2g_pipeline
-from mmpipe.models.wan import build_t2v_training_graph, save_tiny_wan_pipeline, t2v_training_stages
+from mmpipe.models.wan import (
+    WAN_COMPONENTS,
+    build_t2v_training_graph,
+    check_pipeline_dir,
+    save_tiny_wan_pipeline,
+    t2v_training_stages,
+)
+
+
+class TrainingPipeline(NamedTuple):
+    """A diffusers pipeline class ``mmpipe train model.path=DIR`` trains: its graph and components."""
+
+    training_graph: Callable[..., Graph]  # (pipeline_dir, *, text_len) -> Graph
+    components: tuple[str, ...]  # what the graph reads from the directory
+
+
+#: The pipeline classes a ``model.kind=t2v`` run trains from ``model.path``, by ``_class_name``.
+TRAINING_PIPELINES = {
+    "WanPipeline": TrainingPipeline(build_t2v_training_graph, WAN_COMPONENTS),
+    "LTXPipeline": TrainingPipeline(build_ltx_training_graph, WAN_COMPONENTS),
+    "HunyuanVideoPipeline": TrainingPipeline(
+        build_hunyuan_training_graph, (*WAN_COMPONENTS, "text_encoder_2", "tokenizer_2")
+    ),
+}
+
+
+def check_training_pipeline_dir(path: str | Path, *, key: str = "model.path") -> Path:
+    """``path`` as a pipeline directory training supports (:data:`TRAINING_PIPELINES`), checked
+    without loading weights; a ``ValueError`` naming ``key`` and the supported classes otherwise."""
+    return check_pipeline_dir(path, key=key, supported={name: p.components for name, p in TRAINING_PIPELINES.items()})
+
+
+def build_pipeline_training_graph(pipeline_dir: str | Path, *, text_len: int) -> Graph:
+    """The training graph of a text-to-video pipeline directory, by its ``model_index.json``'s
+    ``_class_name`` (Wan's, :func:`~mmpipe.models.wan.build_t2v_training_graph`, when it names none)."""
+    index = Path(pipeline_dir) / "model_index.json"
+    name = json.loads(index.read_text()).get("_class_name") if index.is_file() else None
+    builder = TRAINING_PIPELINES[name].training_graph if name in TRAINING_PIPELINES else build_t2v_training_graph
+    return builder(pipeline_dir, text_len=text_len)
 
 
 class Family(NamedTuple):
@@ -30,7 +74,7 @@ class Family(NamedTuple):
 
 
 FAMILIES = {
-    "t2v": Family(t2v_training_stages, build_t2v_training_graph, save_tiny_wan_pipeline),
+    "t2v": Family(t2v_training_stages, build_pipeline_training_graph, save_tiny_wan_pipeline),
     "u2g": Family(lambda _: U2G_TRAIN_STAGES, build_u2g_training_graph, save_tiny_u2g_pipeline),
 }
 

@@ -192,7 +192,9 @@ class CogVideoXFamily(Family):
             latents = scheduler.step(pred, t, latents, **kwargs, return_dict=False)[0]
         return latents.to(state["dtype"])
 
-    def decode(self, latents: torch.Tensor, call: Mapping[str, Any]) -> torch.Tensor:
+    def decode(
+        self, latents: torch.Tensor, call: Mapping[str, Any], extras: Mapping[str, torch.Tensor]
+    ) -> torch.Tensor:
         """Drop CogVideoX 1.5's padding frames, then the pipeline's ``decode_latents``: ``(B, 3, T,
         H, W)`` in [-1, 1]."""
         p = self.pipe

@@ -167,7 +167,9 @@ class FluxFamily(Family):
             return_dict=False,
         )[0]
 
-    def decode(self, latents: torch.Tensor, call: Mapping[str, Any]) -> torch.Tensor:
+    def decode(
+        self, latents: torch.Tensor, call: Mapping[str, Any], extras: Mapping[str, torch.Tensor]
+    ) -> torch.Tensor:
         """Unpack, undo the VAE's scaling and shift, decode: ``(B, 3, H, W)`` in [-1, 1]."""
         p = self.pipe
         vae = p.vae

@@ -11,6 +11,15 @@ Latents ``(B, C, t, h, w)`` float32 (``t = (T - 1) // 4 + 1``, ``h, w = H / 8, W
 released VAE), as the pipeline keeps them; the DiT runs in its dtype and the VAE decodes
 ``latents / scaling_factor``.
 
+Training graph (:func:`build_hunyuan_training_graph`, from a ``HunyuanVideoPipeline`` directory)::
+
+    input.{input_ids, attention_mask, clip_input_ids} -> text.{context, context_mask, pooled} -> dit
+    input.video -> vae.video;  vae.latents -> dit.latents -> dit.loss
+
+The text stage (:class:`~mmpipe.stages.HunyuanTextEncoderStage`) holds both encoders; the data
+pipeline tokenizes captions with its ``tokenize`` (the prompt template, then both tokenizers, as the
+pipeline does), so the graph's inputs are the token tensors.
+
 Legend: B batch, C latent channels, t/h/w latent frames/height/width, T/H/W pixel frames/height/width,
 L text tokens, D text width.
 """
@@ -40,7 +49,10 @@ from torch import nn
 from transformers import CLIPTextConfig, CLIPTextModel, LlamaConfig, LlamaModel, PreTrainedTokenizerFast
 
 from mmpipe.data.shapes import caption_vocabulary
+from mmpipe.graph import Graph, TensorSpec
 from mmpipe.models.pipeline_graph import Family, prompt_list
+from mmpipe.models.wan import flow_shift_of
+from mmpipe.stages import HunyuanTextEncoderStage, HunyuanVAEEncodeStage, HunyuanVideoDiTFlowMatchingStage
 
 
 class HunyuanVideoFamily(Family):
@@ -156,10 +168,51 @@ class HunyuanVideoFamily(Family):
         )[0]
         return pred
 
-    def decode(self, latents: torch.Tensor, call: Mapping[str, Any]) -> torch.Tensor:
+    def decode(
+        self, latents: torch.Tensor, call: Mapping[str, Any], extras: Mapping[str, torch.Tensor]
+    ) -> torch.Tensor:
         vae = self.pipe.vae
         video: torch.Tensor = vae.decode(latents.to(vae.dtype) / vae.config.scaling_factor, return_dict=False)[0]
         return video
+
+
+# ---- training ----------------------------------------------------------------------------------------
+
+HUNYUAN_TRAIN_EDGES = (
+    ("input.input_ids", "text.input_ids"),
+    ("input.attention_mask", "text.attention_mask"),
+    ("input.clip_input_ids", "text.clip_input_ids"),
+    ("input.video", "vae.video"),
+    ("text.context", "dit.context"),
+    ("text.context_mask", "dit.context_mask"),
+    ("text.pooled", "dit.pooled"),
+    ("vae.latents", "dit.latents"),
+)
+
+
+def build_hunyuan_training_graph(
+    pipeline_dir: str | Path, *, text_len: int, prompt_template: Mapping[str, Any] = DEFAULT_PROMPT_TEMPLATE
+) -> Graph:
+    """The flow-matching training graph of a local ``HunyuanVideoPipeline`` directory: the Llama
+    context of ``prompt_template`` (``text_len`` tokens after the crop), its mask and CLIP's pooled
+    vector, the VAE's scaled latents and the DiT taking all three
+    (``HunyuanVideoDiTFlowMatchingStage(text_inputs=True)``), with the scheduler's shift."""
+    root = Path(pipeline_dir)
+    shift = flow_shift_of(FlowMatchEulerDiscreteScheduler.load_config(root / "scheduler"))
+    text = HunyuanTextEncoderStage.from_pipeline_dir("text", root, max_length=text_len, prompt_template=prompt_template)
+    g = Graph("hunyuan_video_train")
+    for port, spec in text.inputs.items():
+        g.add_input(port, spec)
+    g.add_input("video", TensorSpec(("B", 3, "T", "H", "W"), torch.float32))
+    g.add_stage(text)
+    g.add_stage(HunyuanVAEEncodeStage.from_pretrained("vae", root / "vae"))
+    g.add_stage(
+        HunyuanVideoDiTFlowMatchingStage.from_pretrained("dit", root / "transformer", shift=shift, text_inputs=True)
+    )
+    for src, dst in HUNYUAN_TRAIN_EDGES:
+        g.connect(src, dst)
+    g.validate()
+    return g
 
 
 # ---- tiny preset -----------------------------------------------------------------------------------

@@ -13,12 +13,16 @@ Latents packed ``(B, t/pt * h/p * w/p, C * pt * p * p)`` float32 (``t = (T - 1) 
 ``h, w = H / 32, W / 32`` for the released VAE; ``p``, ``pt`` the DiT's patch sizes), as the pipeline
 keeps them; unpacked to ``(B, C, t, h, w)`` for the decode.
 
+Training graph (:func:`build_ltx_training_graph`, from an ``LTXPipeline`` directory)::
+
+    input.{input_ids, attention_mask} -> text.{context, context_mask} -> dit.{context, context_mask}
+    input.video -> vae.video;  vae.latents -> dit.latents -> dit.loss
+
 Legend: B batch, C latent channels, t/h/w latent frames/height/width, T/H/W pixel frames/height/width.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
@@ -39,23 +43,13 @@ from diffusers.pipelines.ltx.pipeline_ltx import (
 )
 from diffusers.utils.torch_utils import randn_tensor
 from torch import nn
-from transformers import T5Config, T5EncoderModel
+from transformers import AutoTokenizer, T5Config, T5EncoderModel
 
 from mmpipe.data.shapes import caption_vocabulary
+from mmpipe.graph import Graph, TensorSpec
 from mmpipe.models.pipeline_graph import Family, prompt_list
-from mmpipe.models.wan import build_word_tokenizer
-
-#: the prepared call's key of the request's :class:`DecodeNoise` (see :meth:`LTXFamily.prepare_call`)
-DECODE_NOISE = "_ltx_decode_noise"
-
-
-@dataclasses.dataclass
-class DecodeNoise:
-    """What the decode of one request needs from its denoise: the noise the pipeline draws for a
-    timestep-conditioned VAE, and the dtype the pipeline decodes from (the text embeddings')."""
-
-    noise: torch.Tensor | None = None
-    dtype: torch.dtype | None = None
+from mmpipe.models.wan import build_word_tokenizer, flow_shift_of
+from mmpipe.stages import LTXDiTFlowMatchingStage, LTXT5TextEncoderStage, LTXVAEEncodeStage
 
 
 class LTXFamily(Family):
@@ -68,12 +62,12 @@ class LTXFamily(Family):
     ``LTXPipeline`` runs both guidance branches as one batch of ``2B``; the graph runs them as two
     calls of ``B`` (equal on CPU float32 within the parity tolerance). The decode's noise (drawn
     from the call's generator after the loop, which draws nothing from it) is drawn right after the
-    initial latents and handed to the decode in the call's :data:`DECODE_NOISE` entry: the
-    ``Family`` interface gives :meth:`decode` neither the generator nor the state.
+    initial latents and travels to the decode on the ``denoise -> decode`` edge (``decode_noise``).
     """
 
     pipeline_cls = LTXPipeline
     condition_ports = ("prompt_embeds", "prompt_attention_mask")
+    decode_ports = ("decode_noise",)
 
     def prepare_call(self, call: dict[str, Any]) -> dict[str, Any]:
         # The pipeline rounds nothing: height / width not divisible by 32 are refused here, and the
@@ -85,7 +79,7 @@ class LTXFamily(Family):
             callback_on_step_end_tensor_inputs=call["callback_on_step_end_tensor_inputs"],
         )
         prompt_list(call["prompt"])
-        return call | {DECODE_NOISE: DecodeNoise()}
+        return call
 
     def latent_size(self, call: Mapping[str, Any]) -> tuple[int, int, int]:
         """The latent grid ``(t, h, w)`` of ``call``'s video, as ``__call__`` computes it."""
@@ -133,17 +127,16 @@ class LTXFamily(Family):
         )
         size = self.latent_size(call)
         dtype = cond["prompt_embeds"].dtype
-        decode: DecodeNoise = call[DECODE_NOISE]
-        decode.dtype = dtype
+        noise = None
         if call["output_type"] != "latent" and p.vae.config.timestep_conditioning:
             # the pipeline's next draw from the generator: the decode's noise (unpacked latents' shape)
             shape = p._unpack_latents(
                 latents, *size, p.transformer_spatial_patch_size, p.transformer_temporal_patch_size
             ).shape
-            decode.noise = randn_tensor(shape, generator=generator, device=device, dtype=dtype)
+            noise = randn_tensor(shape, generator=generator, device=device, dtype=dtype)
         spatial = p.vae_spatial_compression_ratio
         rope = (p.vae_temporal_compression_ratio / call["frame_rate"], spatial, spatial)
-        return latents, {"latent_size": size, "rope_interpolation_scale": rope}
+        return latents, {"latent_size": size, "rope_interpolation_scale": rope, "decode_noise": noise}
 
     def set_timesteps(
         self, scheduler: Any, call: Mapping[str, Any], latents: torch.Tensor, state: dict[str, Any]
@@ -201,20 +194,19 @@ class LTXFamily(Family):
             guided = rescale_noise_cfg(guided, pred, guidance_rescale=call["guidance_rescale"])
         return guided
 
-    def decode(self, latents: torch.Tensor, call: Mapping[str, Any]) -> torch.Tensor:
+    def decode(
+        self, latents: torch.Tensor, call: Mapping[str, Any], extras: Mapping[str, torch.Tensor]
+    ) -> torch.Tensor:
         p = self.pipe
         vae = p.vae
-        extra: DecodeNoise = call[DECODE_NOISE]
-        if extra.dtype is None:
-            raise ValueError("LTXFamily.decode: the call's latents were not prepared by prepare_latents")
         latents = p._unpack_latents(
             latents, *self.latent_size(call), p.transformer_spatial_patch_size, p.transformer_temporal_patch_size
         )
         latents = p._denormalize_latents(latents, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
-        latents = latents.to(extra.dtype)
+        latents = latents.to(p.text_encoder.dtype)  # the prompt embeddings' dtype, the pipeline's
         timestep = None
         if vae.config.timestep_conditioning:
-            if extra.noise is None:
+            if "decode_noise" not in extras:
                 raise ValueError("LTXFamily.decode: no decode noise was drawn (output_type='latent' needs no decode)")
             batch = len(prompt_list(call["prompt"]))
             decode_timestep = call["decode_timestep"]
@@ -227,9 +219,70 @@ class LTXFamily(Family):
                 noise_scale = [noise_scale] * batch
             timestep = torch.tensor(decode_timestep, device=latents.device, dtype=latents.dtype)
             scale = torch.tensor(noise_scale, device=latents.device, dtype=latents.dtype)[:, None, None, None, None]
-            latents = (1 - scale) * latents + scale * extra.noise.to(latents.device)
+            latents = (1 - scale) * latents + scale * extras["decode_noise"].to(latents.device)
         video: torch.Tensor = vae.decode(latents.to(vae.dtype), timestep, return_dict=False)[0]
         return video
+
+
+# ---- training ----------------------------------------------------------------------------------------
+
+LTX_TRAIN_EDGES = (
+    ("input.input_ids", "text.input_ids"),
+    ("input.attention_mask", "text.attention_mask"),
+    ("input.video", "vae.video"),
+    ("text.context", "dit.context"),
+    ("text.context_mask", "dit.context_mask"),
+    ("vae.latents", "dit.latents"),
+)
+
+
+def ltx_vae_compression(vae_config: Mapping[str, Any]) -> tuple[int, int]:
+    """``(temporal, spatial)`` compression of an ``AutoencoderKLLTXVideo`` config, as its constructor
+    computes them (``vae_temporal_compression_ratio``, ``vae_spatial_compression_ratio``)."""
+    scaling = sum(vae_config.get("spatio_temporal_scaling", (True, True, True, False)))
+    spatial = vae_config.get("spatial_compression_ratio") or vae_config.get("patch_size", 4) * 2**scaling
+    temporal = vae_config.get("temporal_compression_ratio") or vae_config.get("patch_size_t", 1) * 2**scaling
+    return int(temporal), int(spatial)
+
+
+def build_ltx_training_graph(pipeline_dir: str | Path, *, text_len: int, frame_rate: float = 25.0) -> Graph:
+    """The flow-matching training graph of a local ``LTXPipeline`` directory: T5 (its context and
+    mask, :class:`~mmpipe.stages.LTXT5TextEncoderStage`), the VAE's normalised latents and the DiT
+    (:class:`~mmpipe.stages.LTXDiTFlowMatchingStage`) with the rope scale of ``frame_rate``
+    (``LTXPipeline.__call__``'s default 25) and the scheduler's shift: with ``use_dynamic_shifting``
+    (the released checkpoints) the sampler's resolution-dependent one."""
+    root = Path(pipeline_dir)
+    tokenizer = AutoTokenizer.from_pretrained(root / "tokenizer")
+    sched = FlowMatchEulerDiscreteScheduler.load_config(root / "scheduler")
+    vae_config = AutoencoderKLLTXVideo.load_config(root / "vae")
+    dynamic = None
+    if sched.get("use_dynamic_shifting"):  # the defaults are LTXPipeline.__call__'s
+        dynamic = (
+            int(sched.get("base_image_seq_len", 256)),
+            int(sched.get("max_image_seq_len", 4096)),
+            float(sched.get("base_shift", 0.5)),
+            float(sched.get("max_shift", 1.15)),
+        )
+    g = Graph("ltx_train")
+    g.add_input("input_ids", TensorSpec(("B", text_len), torch.int64))
+    g.add_input("attention_mask", TensorSpec(("B", text_len), torch.int64))
+    g.add_input("video", TensorSpec(("B", 3, "T", "H", "W"), torch.float32))
+    g.add_stage(LTXT5TextEncoderStage.from_pretrained("text", root / "text_encoder", tokenizer, max_length=text_len))
+    g.add_stage(LTXVAEEncodeStage.from_pretrained("vae", root / "vae"))
+    g.add_stage(
+        LTXDiTFlowMatchingStage.from_pretrained(
+            "dit",
+            root / "transformer",
+            vae_compression=ltx_vae_compression(vae_config),
+            frame_rate=frame_rate,
+            shift=flow_shift_of(sched),
+            dynamic_shift=dynamic,
+        )
+    )
+    for src, dst in LTX_TRAIN_EDGES:
+        g.connect(src, dst)
+    g.validate()
+    return g
 
 
 # ---- tiny preset -----------------------------------------------------------------------------------

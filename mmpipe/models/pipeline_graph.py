@@ -37,7 +37,6 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 from tqdm.auto import tqdm
 
-from mmpipe.errors import loading_errors
 from mmpipe.graph import Graph, Stage, TensorSpec
 
 #: diffusers pipeline class name -> "module:Family class" (imported on first use)
@@ -155,6 +154,9 @@ class Family(abc.ABC):
     decode_components: ClassVar[tuple[str, ...]] = ("vae",)
     #: the text stage's output ports (each has an optional ``negative_<port>`` twin)
     condition_ports: ClassVar[tuple[str, ...]] = ("prompt_embeds",)
+    #: tensors of the loop's state the decode needs too (LTX's decode noise): optional ports of the
+    #: edge ``denoise -> decode``, present when the state holds them
+    decode_ports: ClassVar[tuple[str, ...]] = ()
     not_implemented: ClassVar[frozenset[str]] = NOT_IMPLEMENTED
     #: the ``__call__`` argument that scales classifier-free guidance (what ``mmpipe serve``'s
     #: ``guidance`` sets): ``true_cfg_scale`` where ``guidance_scale`` is a distilled embedding
@@ -246,8 +248,11 @@ class Family(abc.ABC):
         return latents
 
     @abc.abstractmethod
-    def decode(self, latents: torch.Tensor, call: Mapping[str, Any]) -> torch.Tensor:
-        """The denoised latents as the pixel tensor the pipeline post-processes."""
+    def decode(
+        self, latents: torch.Tensor, call: Mapping[str, Any], extras: Mapping[str, torch.Tensor]
+    ) -> torch.Tensor:
+        """The denoised latents as the pixel tensor the pipeline post-processes (``extras``: the
+        :attr:`decode_ports` the loop's state held)."""
 
     def postprocess(self, pixels: torch.Tensor, call: Mapping[str, Any]) -> Any:
         """What the pipeline returns in ``frames`` / ``images`` for ``call["output_type"]``."""
@@ -319,7 +324,7 @@ class DenoiseLoopStage(_FamilyStage):
 
     @property
     def outputs(self) -> Mapping[str, TensorSpec]:
-        return {"latents": TensorSpec()}
+        return {"latents": TensorSpec()} | {p: TensorSpec(required=False) for p in self.family.decode_ports}
 
     def forward(self, module: nn.Module, inputs: Mapping[str, Any], **options: Any) -> dict[str, Any]:
         """Options: ``call`` and ``guided`` (required), ``generator``, ``progress``."""
@@ -349,7 +354,8 @@ class DenoiseLoopStage(_FamilyStage):
                     pred_u = fam.predict(model, latents, t, uncond, call, state)
                 pred = fam.guide(pred, pred_u, scale, call, state)
             latents = fam.step(scheduler, pred, t, latents, state)
-        return {"latents": fam.finish(latents, call, state)}
+        extras = {p: state[p] for p in fam.decode_ports if state.get(p) is not None}
+        return {"latents": fam.finish(latents, call, state)} | extras
 
 
 class DecodeStage(_FamilyStage):
@@ -359,7 +365,7 @@ class DecodeStage(_FamilyStage):
 
     @property
     def inputs(self) -> Mapping[str, TensorSpec]:
-        return {"latents": TensorSpec()}
+        return {"latents": TensorSpec()} | {p: TensorSpec(required=False) for p in self.family.decode_ports}
 
     @property
     def outputs(self) -> Mapping[str, TensorSpec]:
@@ -369,7 +375,8 @@ class DecodeStage(_FamilyStage):
         call: Mapping[str, Any] = options["call"]
         if call.get("output_type") == "latent":  # as the pipelines return them
             return {"pixels": inputs["latents"]}
-        return {"pixels": self.family.decode(inputs["latents"], call)}
+        extras = {p: inputs[p] for p in self.family.decode_ports if p in inputs}
+        return {"pixels": self.family.decode(inputs["latents"], call, extras)}
 
 
 class PipelineGraph(Graph):
@@ -392,7 +399,8 @@ class PipelineGraph(Graph):
         for port in family.condition_ports:
             self.connect(f"text.{port}", f"denoise.{port}")
             self.connect(f"text.negative_{port}", f"denoise.negative_{port}")
-        self.connect("denoise.latents", "decode.latents")
+        for port in ("latents", *family.decode_ports):
+            self.connect(f"denoise.{port}", f"decode.{port}")
         self.validate()
 
     def bind(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -472,51 +480,6 @@ def check_family_dir(path: str | Path, *, key: str = "pipeline") -> Path:
                     f"{where}: {weights.relative_to(root)} is not a readable safetensors file ({err})"
                 ) from None
     return root
-
-
-def from_diffusers(
-    path_or_pipeline: str | Path | DiffusionPipeline,
-    *,
-    max_sequence_length: int | None = None,
-    device: str | torch.device | None = None,
-) -> Graph:
-    """A diffusers pipeline (a local directory or an object) as an mmpipe inference graph.
-
-    The family is recognised from ``model_index.json``'s ``_class_name`` (or the object's class);
-    the graph's stages wrap the pipeline's own modules (no copy). Wan 2.1 text-to-video returns
-    :class:`~mmpipe.models.wan.T2VGraph` (the graph training and serving pipeline by stage); every
-    other family a :class:`PipelineGraph`. Prompts are padded to ``max_sequence_length`` (``None``:
-    the pipeline's default) unless a ``generate`` call gives its own. With a
-    ``device``, the modules are placed there (bf16 on CUDA but for the VAE, which stays float32).
-    """
-    from mmpipe.models import wan  # the Wan module imports this one
-
-    if isinstance(path_or_pipeline, DiffusionPipeline):
-        pipe: Any = path_or_pipeline
-        family_for(pipe)
-    else:
-        root = check_family_dir(path_or_pipeline)
-        meta = json.loads((root / "model_index.json").read_text())
-        if wan.is_wan21_t2v(meta):
-            return wan.from_diffusers(root, max_sequence_length=max_sequence_length or 512, device=device)
-        dtypes = component_dtypes(meta, device) if device is not None else {}
-        with loading_errors(f"{meta['_class_name']} from {str(root)!r}"):
-            pipe = DiffusionPipeline.from_pretrained(root, **({"dtype": dtypes} if dtypes else {}))
-    if wan.is_wan21_t2v(pipe.config) and type(pipe).__name__ == "WanPipeline":
-        return wan.from_diffusers(pipe, max_sequence_length=max_sequence_length or 512, device=device)
-    defaults = {"max_sequence_length": max_sequence_length} if max_sequence_length is not None else {}
-    graph = PipelineGraph(family_for(pipe)(pipe), defaults)
-    if device is not None:
-        pipe.to(device)
-    return graph
-
-
-def component_dtypes(meta: Mapping[str, Any], device: str | torch.device | None) -> dict[str, torch.dtype]:
-    """Load dtypes on ``device``: on CUDA bf16 for every component but the VAE (float32, as the
-    video model cards load it); on CPU none (float32 as saved)."""
-    if device is None or torch.device(device).type != "cuda":
-        return {}
-    return {"default": torch.bfloat16, "vae": torch.float32}
 
 
 def family_class(pipeline_class: str) -> type[Family]:

@@ -202,7 +202,9 @@ class QwenImageFamily(Family):
         noise_norm = torch.norm(comb_pred, dim=-1, keepdim=True)
         return comb_pred * (cond_norm / noise_norm)
 
-    def decode(self, latents: torch.Tensor, call: Mapping[str, Any]) -> torch.Tensor:
+    def decode(
+        self, latents: torch.Tensor, call: Mapping[str, Any], extras: Mapping[str, torch.Tensor]
+    ) -> torch.Tensor:
         """Unpack, de-normalise with the VAE's latent statistics, decode the single frame:
         ``(B, 3, H, W)`` in [-1, 1]."""
         p = self.pipe

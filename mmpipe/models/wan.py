@@ -324,7 +324,9 @@ class Wan22Family(Family):
             return_dict=False,
         )[0]
 
-    def decode(self, latents: torch.Tensor, call: Mapping[str, Any]) -> torch.Tensor:
+    def decode(
+        self, latents: torch.Tensor, call: Mapping[str, Any], extras: Mapping[str, torch.Tensor]
+    ) -> torch.Tensor:
         return wan_vae_decode(self.pipe.vae, latents)
 
 
@@ -555,11 +557,15 @@ def _kept_in_fp32(module: nn.Module, dtype: torch.dtype) -> set[str]:
 WAN_COMPONENTS = ("text_encoder", "tokenizer", "transformer", "vae", "scheduler")  # what from_diffusers reads
 
 
-def check_pipeline_dir(path: str | Path, *, key: str = "pipeline") -> Path:
+def check_pipeline_dir(
+    path: str | Path, *, key: str = "pipeline", supported: Mapping[str, Sequence[str]] | None = None
+) -> Path:
     """``path`` as a local ``WanPipeline`` directory that :func:`from_diffusers` can load, checked
     from its ``model_index.json``, component folders and safetensors headers without loading any
     weights (so a training, serving or generation run refuses a bad directory before a worker
-    starts); raises ``ValueError`` naming ``key``, the directory and what is wrong."""
+    starts); raises ``ValueError`` naming ``key``, the directory and what is wrong. ``supported``:
+    the pipeline classes accepted instead, each with the components it must have (training's:
+    :data:`mmpipe.models.TRAINING_PIPELINES`)."""
 
     root = Path(path)
     where = f"{key}={str(root)!r}"
@@ -575,10 +581,11 @@ def check_pipeline_dir(path: str | Path, *, key: str = "pipeline") -> Path:
         raise ValueError(f"{where}: model_index.json is not readable JSON ({err})") from None
     if not isinstance(meta, dict):
         raise ValueError(f"{where}: model_index.json is not a JSON object")
+    supported = supported if supported is not None else {"WanPipeline": WAN_COMPONENTS}
     name = meta.get("_class_name")
-    if name not in SUPPORTED_PIPELINES:
+    if name not in supported:
         raise ValueError(
-            f"{where}: model_index.json's _class_name={name!r} is not supported; supported: {list(SUPPORTED_PIPELINES)}"
+            f"{where}: model_index.json's _class_name={name!r} is not supported; supported: {list(supported)}"
         )
     two_expert = isinstance(meta.get("transformer_2"), list) and any(meta["transformer_2"])
     if two_expert != (meta.get("boundary_ratio") is not None):
@@ -588,7 +595,7 @@ def check_pipeline_dir(path: str | Path, *, key: str = "pipeline") -> Path:
             f"{where}: WanPipeline with expand_timesteps=True (Wan 2.2 TI2V) is not supported by training and "
             "serving yet; mmpipe.from_diffusers and mmpipe generate pipeline=DIR run it"
         )
-    for component in (*WAN_COMPONENTS, *(("transformer_2",) if two_expert else ())):
+    for component in (*supported[str(name)], *(("transformer_2",) if two_expert else ())):
         entry = meta.get(component)
         if not (isinstance(entry, list) and len(entry) == 2 and all(entry)):
             raise ValueError(f"{where}: model_index.json names no {component} (got {entry!r})")

@@ -221,7 +221,9 @@ class WanI2VFamily(Family):
         mask = state["first_frame_mask"]
         return latents if mask is None else (1 - mask) * state["condition"] + mask * latents
 
-    def decode(self, latents: torch.Tensor, call: Mapping[str, Any]) -> torch.Tensor:
+    def decode(
+        self, latents: torch.Tensor, call: Mapping[str, Any], extras: Mapping[str, torch.Tensor]
+    ) -> torch.Tensor:
         """The pipeline's decode (de-normalised with the VAE's latent statistics): ``(B, 3, T, H, W)``."""
         return wan_vae_decode(self.pipe.vae, latents)
 

@@ -11,7 +11,8 @@ from mmpipe.config import RunConfig
 from mmpipe.devices import DeviceType
 from mmpipe.errors import loading_errors
 from mmpipe.kernels import registry as kernels
-from mmpipe.models.pipeline_graph import PipelineGraph, from_diffusers
+from mmpipe.models.loading import from_diffusers
+from mmpipe.models.pipeline_graph import PipelineGraph
 from mmpipe.models.wan import T2VGraph, check_pipeline_dir
 from mmpipe.rundir import latest_checkpoint, load_run_config, pipeline_dir
 from mmpipe.runtime.checkpoint import load_latest_weights

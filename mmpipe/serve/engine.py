@@ -85,7 +85,8 @@ from mmpipe.config import ServeConfig, to_dict
 from mmpipe.data import caption_vocabulary, frames_to_uint8
 from mmpipe.devices import DeviceType, rank_device, resolve_device
 from mmpipe.errors import ServeStartError, cause, loading_errors
-from mmpipe.models.pipeline_graph import FAMILY_MODULES, PipelineGraph, check_family_dir, family_class, from_diffusers
+from mmpipe.models.loading import from_diffusers
+from mmpipe.models.pipeline_graph import FAMILY_MODULES, PipelineGraph, check_family_dir, family_class
 from mmpipe.models.wan import check_pipeline_dir, is_wan21_t2v, save_tiny_wan_pipeline
 from mmpipe.report.recording import MemorySampler
 from mmpipe.rundir import load_run_config, pipeline_dir

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,16 +44,29 @@ def without_caption(sample: Mapping[str, Any]) -> dict[str, Any]:
 
 
 class Collator:
-    """Samples -> the graph inputs of a micro-batch: tokens, videos and (u2g) the conditioning image."""
+    """Samples -> the graph inputs of a micro-batch: tokens, videos and (u2g) the conditioning image.
+
+    A graph whose ``text`` stage tokenizes for itself (a ``tokenize(prompts, max_length)`` method:
+    the text encoder stages, e.g. HunyuanVideo's template and two tokenizers) gets that stage's
+    tokens; otherwise the pipeline directory's ``tokenizer`` pads captions to ``text_len``."""
 
     def __init__(self, graph: Graph, pipe_dir: Path, text_len: int) -> None:
-        self.tokenizer = AutoTokenizer.from_pretrained(pipe_dir / "tokenizer")
-        self.clean = prompt_clean if "text" in graph.stages else None
+        text = graph.stages.get("text")
+        self.stage_tokenize: Callable[[list[str], int], dict[str, torch.Tensor]] | None = getattr(
+            text, "tokenize", None
+        )
+        if self.stage_tokenize is None:
+            self.tokenizer = AutoTokenizer.from_pretrained(pipe_dir / "tokenizer")
+        self.clean = prompt_clean if text is not None else None
         self.text_len = text_len
         self.image = "pixel_values" in graph.input_specs
 
     def __call__(self, samples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
-        tokens = tokenize(self.tokenizer, [s["caption"] for s in samples], max_length=self.text_len, clean=self.clean)
+        captions = [s["caption"] for s in samples]
+        if self.stage_tokenize is not None:
+            tokens = self.stage_tokenize(captions, self.text_len)
+        else:
+            tokens = tokenize(self.tokenizer, captions, max_length=self.text_len, clean=self.clean)
         video_B3THW = torch.stack([s["video"] for s in samples])
         out = {**tokens, "video": video_B3THW}
         if self.image:  # the first frame, at the vision tower's resolution

@@ -8,7 +8,7 @@ import logging
 from mmpipe.assemble.placement import check_placement, kernel_choice, make_plans
 from mmpipe.config import RunConfig
 from mmpipe.devices import DeviceType, resolve_nproc, run_devices
-from mmpipe.models.wan import check_pipeline_dir
+from mmpipe.models import check_training_pipeline_dir
 from mmpipe.report.recording import write_chrome_trace
 from mmpipe.rundir import read_metrics
 from mmpipe.runtime.launch import launch_local
@@ -28,7 +28,7 @@ def train(cfg: RunConfig) -> TrainResult:
             f"`mmpipe plan model={cfg.model.name}`, or train local weights with model.path=DIR"
         )
     if cfg.model.path is not None:  # refused before a run directory is written
-        check_pipeline_dir(cfg.model.path, key="model.path")
+        check_training_pipeline_dir(cfg.model.path, key="model.path")
     devices = run_devices(cfg)  # no GPU for device=cuda, or too few for NCCL: refused before anything is written
     check_placement(cfg)
     choice = kernel_choice(cfg)  # an unavailable kernel is an error before anything is written

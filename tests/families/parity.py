@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from diffusers import DiffusionPipeline
 
-from mmpipe.models.pipeline_graph import from_diffusers
+from mmpipe.models.loading import from_diffusers
 
 TOLERANCE = 1e-5  # issue 32: the graph returns the pipeline's array within 1e-5
 

@@ -13,7 +13,8 @@ import torch
 from diffusers import DiffusionPipeline
 
 from mmpipe.models.cogvideox import CogVideoXFamily, save_tiny_cogvideox_pipeline
-from mmpipe.models.pipeline_graph import PipelineGraph, from_diffusers
+from mmpipe.models.loading import from_diffusers
+from mmpipe.models.pipeline_graph import PipelineGraph
 from tests.families.parity import assert_matches_pipeline
 
 # odd frame count (9 -> 3 latent frames), non-square frames

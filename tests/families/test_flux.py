@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from mmpipe.models.flux import FluxFamily, build_tiny_flux_pipeline, save_tiny_flux_pipeline
-from mmpipe.models.pipeline_graph import PipelineGraph, from_diffusers
+from mmpipe.models.loading import from_diffusers
+from mmpipe.models.pipeline_graph import PipelineGraph
 from tests.families.parity import assert_matches_pipeline
 
 # non-square (the tiny VAE downsamples by 2: multiples of 4 pixels), a short T5 padding

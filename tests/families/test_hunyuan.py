@@ -12,7 +12,8 @@ from diffusers import DiffusionPipeline
 from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video import DEFAULT_PROMPT_TEMPLATE
 
 from mmpipe.models.hunyuan import HunyuanVideoFamily, build_tiny_hunyuan_pipeline, save_tiny_hunyuan_pipeline
-from mmpipe.models.pipeline_graph import PipelineGraph, from_diffusers
+from mmpipe.models.loading import from_diffusers
+from mmpipe.models.pipeline_graph import PipelineGraph
 from tests.families.parity import assert_matches_pipeline
 
 # odd frame count (9 -> 3 latent frames), non-square frames; a short text length keeps the DiT fast

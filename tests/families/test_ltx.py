@@ -11,8 +11,9 @@ import pytest
 import torch
 from diffusers import DiffusionPipeline
 
+from mmpipe.models.loading import from_diffusers
 from mmpipe.models.ltx import LTXFamily, save_tiny_ltx_pipeline
-from mmpipe.models.pipeline_graph import PipelineGraph, from_diffusers
+from mmpipe.models.pipeline_graph import PipelineGraph
 from tests.families.parity import assert_matches_pipeline
 
 # odd frame count (9 -> 3 latent frames); 32 x 64, the smallest non-square size (multiples of 32)

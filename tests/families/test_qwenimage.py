@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from mmpipe.models.pipeline_graph import PipelineGraph, from_diffusers
+from mmpipe.models.loading import from_diffusers
+from mmpipe.models.pipeline_graph import PipelineGraph
 from mmpipe.models.qwenimage import (
     QWEN_SPECIAL_TOKENS,
     QwenImageFamily,

@@ -20,7 +20,7 @@ from PIL import Image
 
 from mmpipe.config import ServeConfig
 from mmpipe.data import frames_to_uint8
-from mmpipe.models.pipeline_graph import from_diffusers
+from mmpipe.models.loading import from_diffusers
 from mmpipe.serve.engine import Engine
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "serve"))

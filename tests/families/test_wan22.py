@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from mmpipe.models.pipeline_graph import PipelineGraph, from_diffusers
+from mmpipe.models.loading import from_diffusers
+from mmpipe.models.pipeline_graph import PipelineGraph
 from mmpipe.models.wan import T2VGraph
 from tests.families.conftest import save_tiny_wan22
 from tests.families.parity import assert_matches_pipeline

@@ -12,7 +12,8 @@ import torch
 from diffusers import DiffusionPipeline
 from PIL import Image, ImageDraw
 
-from mmpipe.models.pipeline_graph import PipelineGraph, from_diffusers
+from mmpipe.models.loading import from_diffusers
+from mmpipe.models.pipeline_graph import PipelineGraph
 from mmpipe.models.wan_i2v import WanI2VFamily, save_tiny_wan_i2v_pipeline
 from tests.families.parity import assert_matches_pipeline
 
