@@ -5,15 +5,19 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
+
+from diffusers import WanTransformer3DModel
+from torch import nn
 
 from mmpipe.config import RunConfig
 from mmpipe.devices import DeviceType
 from mmpipe.errors import loading_errors
 from mmpipe.kernels import registry as kernels
+from mmpipe.models import check_training_pipeline_dir
 from mmpipe.models.loading import from_diffusers
 from mmpipe.models.pipeline_graph import PipelineGraph
-from mmpipe.models.wan import T2VGraph, check_pipeline_dir
+from mmpipe.models.wan import T2VGraph
 from mmpipe.rundir import latest_checkpoint, load_run_config, pipeline_dir
 from mmpipe.runtime.checkpoint import load_latest_weights
 from mmpipe.stages.wan_kernels import use_kernels
@@ -24,7 +28,7 @@ def check_trained_run(run_dir: Path, *, key: str = "ckpt") -> None:
     :func:`load_trained_graph` cannot use: no run config, a missing or unusable pipeline directory,
     or no checkpoint yet (``ValueError`` naming ``key``)."""
     cfg = load_run_config(run_dir)
-    check_pipeline_dir(pipeline_dir(cfg.model, run_dir), key=f"{key}={str(run_dir)!r}: pipeline")
+    check_training_pipeline_dir(pipeline_dir(cfg.model, run_dir), key=f"{key}={str(run_dir)!r}: pipeline")
     if latest_checkpoint(run_dir) is None:
         raise ValueError(f"{key}={str(run_dir)!r}: the run has no checkpoint yet (train.ckpt_every saves them)")
 
@@ -43,8 +47,11 @@ def load_trained_graph(run_dir: Path, device: DeviceType = DeviceType.CPU) -> T2
         # The training graph's DiT stage is named "dit" ("dit_2": Wan 2.2's second expert); its weights
         # become the denoiser's (DCP copies the saved float32 tensors into the placed ones, casting).
         denoisers: Any = graph.denoise.module
-        if isinstance(graph, PipelineGraph):
-            load_latest_weights(run_dir, {"dit": denoisers["transformer"], "dit_2": denoisers["transformer_2"]})
+        if isinstance(graph, PipelineGraph):  # Wan 2.2's two experts, LTX-Video, HunyuanVideo
+            stages = {"dit": denoisers["transformer"]}
+            if "transformer_2" in denoisers:
+                stages["dit_2"] = denoisers["transformer_2"]
+            load_latest_weights(run_dir, stages)
         else:
             load_latest_weights(run_dir, {"dit": denoisers})
     apply_kernels(graph, choice)
@@ -59,9 +66,11 @@ def generation_kernels(cfg: RunConfig, device: DeviceType) -> kernels.KernelChoi
 
 
 def apply_kernels(graph: T2VGraph | PipelineGraph, choice: kernels.KernelChoice) -> None:
-    """Swap the kernels of ``choice`` into the denoiser's DiT, each expert's (in place)."""
+    """Swap the kernels of ``choice`` into the denoiser's Wan DiT, each expert's (in place); other
+    families' DiTs keep diffusers' own (mmpipe's kernels cover the Wan DiT)."""
     if choice == kernels.KernelChoice():
         return
     module: Any = graph.denoise.module
     for dit in module.values() if isinstance(graph, PipelineGraph) else [module]:
-        use_kernels(dit, choice)
+        if isinstance(dit, WanTransformer3DModel):
+            use_kernels(cast(nn.Module, dit), choice)

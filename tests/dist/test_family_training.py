@@ -177,6 +177,20 @@ def test_pipeline_split_trains_bitwise_like_one_process(family_dir: tuple[str, P
     assert any(not torch.equal(initial[k], pr[k]) for k in initial)  # the DiT trained
     sends = [e for e in read_events(tmp_path / "pp") if e["kind"] == "SEND" and e["phase"] == "train"]
     assert len(sends) == STEPS * 2 * 2 and all(e["rank"] == 0 for e in sends)  # text and vae, each micro-batch
+    # the trained run generates (mmpipe generate / serve ckpt=RUN_DIR) with the trained DiT
+    from mmpipe.models.pipeline_graph import PipelineGraph
+    from mmpipe.runtime.trained import check_trained_run, load_trained_graph
+
+    check_trained_run(tmp_path / "pp")
+    graph: Any = load_trained_graph(tmp_path / "pp")
+    assert isinstance(graph, PipelineGraph)
+    assert all(torch.equal(v, pg[k]) for k, v in graph.denoise.module["transformer"].state_dict().items())
+    width = 64 if name == "ltx" else 32
+    video = graph.generate(
+        "a red circle moving left", height=32, width=width, num_frames=9, num_inference_steps=2, seed=0,
+        output_type="np", progress=False,
+    )
+    assert video.shape == (1, 9, 32, width, 3)
 
 
 @pytest.mark.parametrize(
