@@ -10,26 +10,36 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from diffusers import AutoencoderKLHunyuanVideo, AutoencoderKLWan, HunyuanVideoTransformer3DModel, WanTransformer3DModel
+from diffusers import (
+    AutoencoderKLHunyuanVideo,
+    AutoencoderKLLTXVideo,
+    AutoencoderKLWan,
+    HunyuanVideoTransformer3DModel,
+    LTXVideoTransformer3DModel,
+    WanTransformer3DModel,
+)
 from torch import nn
 from transformers import AutoConfig
 
 from mmpipe.config import ModelConfig
 from mmpipe.graph import Graph, TensorSpec
+from mmpipe.models.ltx import LTX_TRAIN_EDGES, ltx_vae_compression
 from mmpipe.models.u2g import U2G_TRAIN_EDGES
 from mmpipe.models.wan import T2V_TRAIN_EDGES, build_word_tokenizer
 from mmpipe.stages import WanDiTFlowMatchingStage, WanVAEEncodeStage
 from mmpipe.stages._source import ModuleSource
-from mmpipe.stages.dit import HunyuanVideoDiTFlowMatchingStage
+from mmpipe.stages.dit import HunyuanVideoDiTFlowMatchingStage, LTXDiTFlowMatchingStage
 from mmpipe.stages.multimodal import ConnectorConfig, ConnectorStage, MultimodalLLMStage, VisionEncoderStage
-from mmpipe.stages.text import CausalLMTextEncoderStage, T5TextEncoderStage
-from mmpipe.stages.vae import HunyuanVAEEncodeStage
+from mmpipe.stages.text import CausalLMTextEncoderStage, LTXT5TextEncoderStage, T5TextEncoderStage
+from mmpipe.stages.vae import HunyuanVAEEncodeStage, LTXVAEEncodeStage
 
 _DIFFUSERS = {
     ("vae", "wan"): AutoencoderKLWan,
     ("vae", "hunyuan"): AutoencoderKLHunyuanVideo,
+    ("vae", "ltx"): AutoencoderKLLTXVideo,
     ("dit", "wan"): WanTransformer3DModel,
     ("dit", "hunyuan"): HunyuanVideoTransformer3DModel,
+    ("dit", "ltx"): LTXVideoTransformer3DModel,
 }
 
 
@@ -46,8 +56,12 @@ def build_arch_graph(model: ModelConfig) -> Graph:
         return ModuleSource(_config(role, arch[role], model.name), _no_weights(model.name, role))
 
     vae_cls = _family("vae", arch["vae"], model.name)
-    vae = (HunyuanVAEEncodeStage if vae_cls is AutoencoderKLHunyuanVideo else WanVAEEncodeStage)("vae", source("vae"))
     dit_cls = _family("dit", arch["dit"], model.name)
+    if (vae_cls is AutoencoderKLLTXVideo) != (dit_cls is LTXVideoTransformer3DModel):
+        raise ValueError(f"model {model.name!r}: the LTX DiT needs the LTX VAE (model.arch.vae.class / dit.class)")
+    if dit_cls is LTXVideoTransformer3DModel:
+        return _ltx_arch_graph(model, source)
+    vae = (HunyuanVAEEncodeStage if vae_cls is AutoencoderKLHunyuanVideo else WanVAEEncodeStage)("vae", source("vae"))
     dit_stage = (
         HunyuanVideoDiTFlowMatchingStage if dit_cls is HunyuanVideoTransformer3DModel else WanDiTFlowMatchingStage
     )
@@ -97,6 +111,27 @@ def build_arch_graph(model: ModelConfig) -> Graph:
     if len(experts) == 2:
         g.connect("text.context", "dit_2.context")
         g.connect("vae.latents", "dit_2.latents")
+    g.validate()
+    return g
+
+
+def _ltx_arch_graph(model: ModelConfig, source: Callable[[str], ModuleSource]) -> Graph:
+    """LTX-Video's training graph (:func:`~mmpipe.models.ltx.build_ltx_training_graph`'s stages and
+    edges) on configs only; the shift is the preset's constant ``flow_shift``."""
+    if model.kind != "t2v" or model.boundary_ratio is not None:
+        raise ValueError(f"model {model.name!r}: an LTX preset is one-DiT text-to-video")
+    vae_src = source("vae")
+    g = Graph(f"{model.name}_train")
+    g.add_input("input_ids", TensorSpec(("B", model.text_len), torch.int64))
+    g.add_input("attention_mask", TensorSpec(("B", model.text_len), torch.int64))
+    g.add_input("video", TensorSpec(("B", 3, "T", "H", "W"), torch.float32))
+    tokenizer = build_word_tokenizer(["a"])
+    g.add_stage(LTXT5TextEncoderStage("text", source("text"), tokenizer, max_length=model.text_len))
+    g.add_stage(LTXVAEEncodeStage("vae", vae_src))
+    compression = ltx_vae_compression(dict(vae_src.config))
+    g.add_stage(LTXDiTFlowMatchingStage("dit", source("dit"), vae_compression=compression, shift=model.flow_shift))
+    for src, dst in LTX_TRAIN_EDGES:
+        g.connect(src, dst)
     g.validate()
     return g
 
