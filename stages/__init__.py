@@ -4,19 +4,34 @@ Each adapter declares its ports and capabilities and maps input ports to output 
 a model's source. Modules come from a local ``from_pretrained`` directory or an existing object.
 """
 
-from mmpipe.stages.dit import HunyuanVideoDiTFlowMatchingStage, LTXDiTFlowMatchingStage, WanDiTFlowMatchingStage
+from mmpipe.stages.dit import (
+    CogVideoXDiTStage,
+    HunyuanVideoDiTFlowMatchingStage,
+    LTXDiTFlowMatchingStage,
+    WanDiTFlowMatchingStage,
+)
 from mmpipe.stages.sampler import DenoiseStage
 from mmpipe.stages.text import (
     CausalLMTextEncoderStage,
+    CogVideoXT5TextEncoderStage,
     HunyuanTextEncoderStage,
     LTXT5TextEncoderStage,
     T5TextEncoderStage,
     TextEncoderStage,
 )
-from mmpipe.stages.vae import HunyuanVAEEncodeStage, LTXVAEEncodeStage, WanVAEDecodeStage, WanVAEEncodeStage
+from mmpipe.stages.vae import (
+    CogVideoXVAEEncodeStage,
+    HunyuanVAEEncodeStage,
+    LTXVAEEncodeStage,
+    WanVAEDecodeStage,
+    WanVAEEncodeStage,
+)
 
 __all__ = [
     "CausalLMTextEncoderStage",
+    "CogVideoXDiTStage",
+    "CogVideoXT5TextEncoderStage",
+    "CogVideoXVAEEncodeStage",
     "DenoiseStage",
     "HunyuanVAEEncodeStage",
     "HunyuanTextEncoderStage",

@@ -16,6 +16,10 @@ architecture-only presets, both derived from the (zero-padded) context. LTX-Vide
 (``LTXVideoTransformer3DModel``) trains with the same objective on packed latents, with the text
 mask and the rope interpolation scale ``LTXPipeline`` gives it.
 
+CogVideoX's DiT (``CogVideoXTransformer3DModel``, :class:`CogVideoXDiTStage`) trains with its own
+objective instead: DDPM-style v-prediction on the pipeline scheduler's ``alphas_cumprod``, as
+diffusers' CogVideoX training example does.
+
 Legend: B batch, Z latent channels, t/h/w latent frames/height/width, L text tokens, D text dim.
 """
 
@@ -25,11 +29,19 @@ import abc
 import dataclasses
 import math
 from collections.abc import Callable, Mapping
+from types import SimpleNamespace
 from typing import Any, ClassVar, cast
 
 import torch
 import torch.nn.functional as F
-from diffusers import HunyuanVideoTransformer3DModel, LTXPipeline, LTXVideoTransformer3DModel, WanTransformer3DModel
+from diffusers import (
+    CogVideoXPipeline,
+    CogVideoXTransformer3DModel,
+    HunyuanVideoTransformer3DModel,
+    LTXPipeline,
+    LTXVideoTransformer3DModel,
+    WanTransformer3DModel,
+)
 from diffusers.pipelines.ltx.pipeline_ltx import calculate_shift
 from torch import nn
 
@@ -428,3 +440,121 @@ class LTXDiTFlowMatchingStage(FlowMatchingDiTStage):
             return_dict=False,
         )[0]
         return cast(torch.Tensor, LTXPipeline._unpack_latents(pred_BSD.float(), t // p_t, h // p, w // p, p, p_t))
+
+
+def sample_v_prediction(
+    latents_BtZhw: torch.Tensor, *, seed: int, num_train_timesteps: int, rows: tuple[int, int, int] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw ``(noise, timestep_B)`` on the CPU from ``seed`` (device-independent): the noise first,
+    then integer timesteps uniform in ``[0, num_train_timesteps)``, as
+    ``examples/cogvideo/train_cogvideox_lora.py`` draws them. ``rows=(start, stop, total)``: the
+    latents are rows ``[start, stop)`` of a micro-batch of ``total``; the draw is made for the whole
+    micro-batch and sliced, like :func:`sample_flow_matching`."""
+    start, stop, total = rows if rows is not None else (0, latents_BtZhw.shape[0], latents_BtZhw.shape[0])
+    if stop - start != latents_BtZhw.shape[0]:
+        raise ValueError(f"rows {start}:{stop} do not match latents of shape {tuple(latents_BtZhw.shape)}")
+    gen = torch.Generator().manual_seed(seed)
+    noise = torch.randn((total, *latents_BtZhw.shape[1:]), generator=gen, dtype=torch.float32)
+    timestep_B = torch.randint(0, num_train_timesteps, (total,), generator=gen, dtype=torch.int64)
+    return noise[start:stop].to(latents_BtZhw.device), timestep_B[start:stop].to(latents_BtZhw.device)
+
+
+class CogVideoXDiTStage(SourcedStage):
+    """``latents, context -> loss``: one training step of the CogVideoX DiT (diffusers
+    ``CogVideoXTransformer3DModel``) with CogVideoX's own v-prediction objective.
+
+    Followed: diffusers' ``examples/cogvideo/train_cogvideox_lora.py``. Latents ``(B, t, C, h, w)``
+    (frames before channels, scaled by the VAE's ``scaling_factor``); an integer timestep ``t``
+    uniform in ``[0, num_train_timesteps)`` and Gaussian noise (:func:`sample_v_prediction`, from the
+    ``seed`` option, drawn for the whole micro-batch and sliced by ``rows``); ``noisy =
+    scheduler.add_noise(x0, noise, t)`` with the pipeline's scheduler (its ``alphas_cumprod``, with
+    ``snr_shift_scale`` and ``rescale_betas_zero_snr`` as its config says); the module's
+    v-prediction turned into an ``x0`` prediction by ``scheduler.get_velocity(pred, noisy, t)`` and
+    the loss ``mean_B(mean((1 / (1 - alphas_cumprod[t])) * (x0_pred - x0)^2))``, exactly the
+    script's (equal to the plain v-prediction MSE against ``get_velocity(x0, noise, t)``, since
+    ``x0_pred - x0 = sqrt(1 - alphas_cumprod[t]) (v - v_pred)``). The module takes the integer
+    timesteps, and with ``use_rotary_positional_embeddings`` the 3-D rotary embedding of
+    ``CogVideoXPipeline._prepare_rotary_positional_embeddings`` for the latent grid. Sequence
+    parallelism is not supported (text and video tokens are one full-attention sequence); a
+    CogVideoX 1.5 DiT (``patch_size_t``) needs a multiple of ``patch_size_t`` latent frames.
+    """
+
+    kind = "dit"
+    model_cls = CogVideoXTransformer3DModel
+    capabilities = Capabilities(sequence_parallel=False, fsdp=True, offload=True)
+
+    def __init__(self, name: str, source: ModuleSource, *, scheduler: Any, vae_scale_factor_spatial: int) -> None:
+        super().__init__(name, source, frozen=False)
+        if scheduler.config.prediction_type != "v_prediction":
+            raise ValueError(
+                f"stage {name!r}: CogVideoX trains v-prediction, the scheduler's prediction_type is "
+                f"{scheduler.config.prediction_type!r}"
+            )
+        self.scheduler = scheduler
+        self.num_train_timesteps = int(scheduler.config.num_train_timesteps)
+        self.vae_scale_factor_spatial = vae_scale_factor_spatial
+
+    @property
+    def inputs(self) -> Mapping[str, TensorSpec]:
+        cfg = self.source.config
+        return {
+            "latents": TensorSpec(("B", "t", cfg.in_channels, "h", "w"), torch.float32),
+            "context": TensorSpec(("B", "L", cfg.text_embed_dim)),
+        }
+
+    @property
+    def outputs(self) -> Mapping[str, TensorSpec]:
+        return {"loss": TensorSpec((), torch.float32)}
+
+    def rotary_embedding(self, latents_BtZhw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``CogVideoXPipeline._prepare_rotary_positional_embeddings`` for the latents' grid (``None``
+        without ``use_rotary_positional_embeddings``: the module's own sin-cos positions)."""
+        cfg = self.source.config
+        if not cfg.use_rotary_positional_embeddings:
+            return None
+        t, _, h, w = latents_BtZhw.shape[1:]
+        pipe = SimpleNamespace(
+            vae_scale_factor_spatial=self.vae_scale_factor_spatial, transformer=SimpleNamespace(config=cfg)
+        )
+        scale = self.vae_scale_factor_spatial
+        return cast(
+            tuple[torch.Tensor, torch.Tensor],
+            CogVideoXPipeline._prepare_rotary_positional_embeddings(
+                cast(Any, pipe), h * scale, w * scale, t, latents_BtZhw.device
+            ),
+        )
+
+    def forward(
+        self,
+        module: nn.Module,
+        inputs: Mapping[str, Any],
+        *,
+        seed: int = 0,
+        rows: tuple[int, int, int] | None = None,
+        **_: Any,
+    ) -> dict[str, Any]:
+        x0_BtZhw, context_BLD = inputs["latents"].float(), inputs["context"]
+        patch_t = self.source.config.patch_size_t
+        if patch_t is not None and x0_BtZhw.shape[1] % patch_t:
+            raise ValueError(
+                f"stage {self.name!r}: {x0_BtZhw.shape[1]} latent frames are not a multiple of the "
+                f"DiT's patch_size_t={patch_t} (CogVideoX 1.5: choose data.frames accordingly)"
+            )
+        noise_BtZhw, t_B = sample_v_prediction(
+            x0_BtZhw, seed=seed, num_train_timesteps=self.num_train_timesteps, rows=rows
+        )
+        sched = self.scheduler
+        noisy_BtZhw = sched.add_noise(x0_BtZhw, noise_BtZhw, t_B)
+        dtype = cast(torch.dtype, module.dtype)  # diffusers ModelMixin.dtype
+        pred_BtZhw = module(
+            hidden_states=noisy_BtZhw.to(dtype),
+            encoder_hidden_states=context_BLD.to(dtype),
+            timestep=t_B,
+            image_rotary_emb=self.rotary_embedding(x0_BtZhw),
+            return_dict=False,
+        )[0]
+        x0_pred_BtZhw = sched.get_velocity(pred_BtZhw.float(), noisy_BtZhw, t_B)
+        alphas_cumprod_B = sched.alphas_cumprod.to(x0_BtZhw.device, torch.float32)[t_B]
+        weights_B1111 = (1 / (1 - alphas_cumprod_B)).view(-1, 1, 1, 1, 1)
+        loss_B = (weights_B1111 * (x0_pred_BtZhw - x0_BtZhw) ** 2).reshape(x0_BtZhw.shape[0], -1).mean(dim=1)
+        return {"loss": loss_B.mean()}

@@ -4,7 +4,8 @@ Both return the last hidden states with padded positions set to exactly zero, th
 ``WanPipeline._get_t5_prompt_embeds`` trims each prompt to its length and pads with zeros.
 
 The pipelines whose DiT takes a text mask keep their own encodings: :class:`LTXT5TextEncoderStage`
-(``LTXPipeline._get_t5_prompt_embeds``: T5 run without a mask, the mask handed on) and
+(``LTXPipeline._get_t5_prompt_embeds``: T5 run without a mask, the mask handed on),
+:class:`CogVideoXT5TextEncoderStage` (``CogVideoXPipeline._get_t5_prompt_embeds``: the same, no mask) and
 :class:`HunyuanTextEncoderStage` (``HunyuanVideoPipeline.encode_prompt``: the Llama context of the
 prompt template with its system part cropped, its mask, and CLIP's pooled vector). Graph inputs are
 tensors, so prompts are tokenized in the data pipeline with the stage's own :meth:`tokenize`
@@ -160,6 +161,26 @@ class LTXT5TextEncoderStage(TextEncoderStage):
         if "negative_input_ids" in inputs:
             out["negative_context"] = module(input_ids=inputs["negative_input_ids"])[0]
             out["negative_context_mask"] = inputs["negative_attention_mask"]
+        return out
+
+
+class CogVideoXT5TextEncoderStage(TextEncoderStage):
+    """``input_ids, attention_mask -> context``: ``CogVideoXPipeline``'s T5 encoding.
+
+    The encoder runs on the padded ids without a mask and its hidden states are kept as they are,
+    padding included (``CogVideoXPipeline._get_t5_prompt_embeds``; the DiT takes no text mask). The
+    prompts are tokenized to ``max_length`` tokens, the pipeline's ``max_sequence_length``: the
+    transformer's ``max_text_seq_length`` (its sin-cos positions cover exactly that many text tokens).
+    Prompts are not cleaned; ``attention_mask`` is accepted and unused, as the pipeline does.
+    """
+
+    model_cls = T5EncoderModel
+    hidden_size_key = "d_model"
+
+    def forward(self, module: nn.Module, inputs: Mapping[str, Any], **options: Any) -> dict[str, Any]:
+        out = {"context": module(input_ids=inputs["input_ids"])[0]}
+        if "negative_input_ids" in inputs:
+            out["negative_context"] = module(input_ids=inputs["negative_input_ids"])[0]
         return out
 
 

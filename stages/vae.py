@@ -11,6 +11,10 @@ framepack pipelines' ``prepare_latents``), ``z / scaling_factor`` before decode
 LTX-Video latents are normalised as ``LTXPipeline._normalize_latents`` does, with the VAE's own
 ``latents_mean`` / ``latents_std`` buffers: ``(z - mean) * scaling_factor / std``.
 
+CogVideoX latents are scaled, ``z * scaling_factor``, and permuted to ``(B, t, Z, h, w)`` (frames
+before channels), as diffusers' CogVideoX training example prepares them and ``CogVideoXPipeline``
+keeps them.
+
 Legend: B batch, C channels (3 pixels, Z latent), T/t frames (pixel/latent), H/h, W/w height/width.
 """
 
@@ -20,7 +24,13 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from diffusers import AutoencoderKLHunyuanVideo, AutoencoderKLLTXVideo, AutoencoderKLWan, LTXPipeline
+from diffusers import (
+    AutoencoderKLCogVideoX,
+    AutoencoderKLHunyuanVideo,
+    AutoencoderKLLTXVideo,
+    AutoencoderKLWan,
+    LTXPipeline,
+)
 from torch import nn
 
 from mmpipe.graph import Capabilities, TensorSpec
@@ -138,3 +148,31 @@ class LTXVAEEncodeStage(SourcedStage):
         z_BZthw = vae.encode(inputs["video"].to(vae.dtype)).latent_dist.mode().float()
         latents = LTXPipeline._normalize_latents(z_BZthw, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
         return {"latents": latents}
+
+
+class CogVideoXVAEEncodeStage(SourcedStage):
+    """``video (B, 3, T, H, W) in [-1, 1] -> latents (B, t, Z, h, w)``: ``AutoencoderKLCogVideoX``'s
+    distribution's mode (diffusers' training example samples it; the mode keeps runs deterministic),
+    times ``scaling_factor``, frames before channels (the layout ``CogVideoXTransformer3DModel`` takes)."""
+
+    kind = "vae_encode"
+    model_cls = AutoencoderKLCogVideoX
+    capabilities = Capabilities(offload=True)
+
+    def __init__(self, name: str, source: ModuleSource) -> None:
+        super().__init__(name, source, frozen=True)
+        self.z_dim: int = source.config.latent_channels
+        self.scaling_factor: float = source.config.scaling_factor
+
+    @property
+    def inputs(self) -> Mapping[str, TensorSpec]:
+        return {"video": TensorSpec(("B", 3, "T", "H", "W"), torch.float32)}
+
+    @property
+    def outputs(self) -> Mapping[str, TensorSpec]:
+        return {"latents": TensorSpec(("B", "t", self.z_dim, "h", "w"), torch.float32)}
+
+    def forward(self, module: nn.Module, inputs: Mapping[str, Any], **options: Any) -> dict[str, Any]:
+        vae: Any = module  # diffusers' AutoencoderKLCogVideoX
+        z_BZthw = vae.encode(inputs["video"].to(vae.dtype)).latent_dist.mode().float()
+        return {"latents": (z_BZthw * self.scaling_factor).permute(0, 2, 1, 3, 4).contiguous()}

@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 from mmpipe.config import ModelConfig
 from mmpipe.graph import Graph
+from mmpipe.models.cogvideox import build_cogvideox_training_graph
 from mmpipe.models.hunyuan import build_hunyuan_training_graph
 from mmpipe.models.ltx import build_ltx_training_graph
 from mmpipe.models.u2g import U2G_TRAIN_STAGES, build_u2g_training_graph, save_tiny_u2g_pipeline
@@ -47,6 +48,7 @@ TRAINING_PIPELINES = {
     "HunyuanVideoPipeline": TrainingPipeline(
         build_hunyuan_training_graph, (*WAN_COMPONENTS, "text_encoder_2", "tokenizer_2")
     ),
+    "CogVideoXPipeline": TrainingPipeline(build_cogvideox_training_graph, WAN_COMPONENTS),
 }
 
 

@@ -12,6 +12,11 @@ Tiny preset: the real component classes (``CogVideoXTransformer3DModel``,
 ``AutoencoderKLCogVideoX``, ``T5EncoderModel``, a CogVideoX scheduler) from small configs, with a
 word-level tokenizer built locally (nothing is downloaded), saved with ``save_pretrained``.
 
+Training graph (:func:`build_cogvideox_training_graph`, from a ``CogVideoXPipeline`` directory)::
+
+    input.{input_ids, attention_mask} -> text.context -> dit.context
+    input.video -> vae.video;  vae.latents (B, t, C, h, w) -> dit.latents -> dit.loss
+
 Legend: B batch, C latent channels, t/h/w latent frames/height/width, T/H/W pixel frames/height/width.
 """
 
@@ -33,11 +38,13 @@ from diffusers import (
 )
 from diffusers.pipelines.cogvideo.pipeline_cogvideox import retrieve_timesteps
 from torch import nn
-from transformers import T5Config, T5EncoderModel
+from transformers import AutoTokenizer, T5Config, T5EncoderModel
 
 from mmpipe.data import caption_vocabulary
+from mmpipe.graph import Graph, TensorSpec
 from mmpipe.models.pipeline_graph import Family, prompt_list
 from mmpipe.models.wan import build_word_tokenizer
+from mmpipe.stages import CogVideoXDiTStage, CogVideoXT5TextEncoderStage, CogVideoXVAEEncodeStage
 
 logger = logging.getLogger(__name__)
 
@@ -201,6 +208,69 @@ class CogVideoXFamily(Family):
         latents = latents[:, self.padding_frames(call) :]
         # the cast is a no-op where the pipeline runs; it lets bf16 latents meet a float32 VAE
         return cast(torch.Tensor, p.decode_latents(latents.to(p.vae.dtype)))
+
+
+# ---- training ----------------------------------------------------------------------------------
+
+COGVIDEOX_TRAIN_EDGES = (
+    ("input.input_ids", "text.input_ids"),
+    ("input.attention_mask", "text.attention_mask"),
+    ("input.video", "vae.video"),
+    ("text.context", "dit.context"),
+    ("vae.latents", "dit.latents"),
+)
+
+#: the schedulers a CogVideoX pipeline directory may name (both share ``alphas_cumprod``'s recipe)
+COGVIDEOX_SCHEDULERS: dict[str, Any] = {
+    "CogVideoXDDIMScheduler": CogVideoXDDIMScheduler,
+    "CogVideoXDPMScheduler": CogVideoXDPMScheduler,
+}
+
+
+def build_cogvideox_training_graph(pipeline_dir: str | Path, *, text_len: int) -> Graph:
+    """The v-prediction training graph of a local ``CogVideoXPipeline`` directory: T5 on the
+    pipeline's tokens (:class:`~mmpipe.stages.CogVideoXT5TextEncoderStage`), the VAE's scaled latents
+    (:class:`~mmpipe.stages.CogVideoXVAEEncodeStage`) and the DiT trained on the directory's scheduler
+    (:class:`~mmpipe.stages.CogVideoXDiTStage`).
+
+    ``text_len`` (``model.text_len``) must be the transformer's ``max_text_seq_length`` (226 for the
+    released checkpoints): the pipeline pads prompts to it, the DiT's sin-cos positions cover exactly
+    that many text tokens, and generating from the trained run pads to ``model.text_len``."""
+    root = Path(pipeline_dir)
+    dit_config = CogVideoXTransformer3DModel.load_config(root / "transformer")
+    max_text = int(dit_config.get("max_text_seq_length", 226))
+    if text_len != max_text:
+        raise ValueError(
+            f"model.text_len={text_len}: a CogVideoXPipeline's prompts are padded to the transformer's "
+            f"max_text_seq_length={max_text}; set model.text_len={max_text}"
+        )
+    sched_name = CogVideoXDDIMScheduler.load_config(root / "scheduler").get("_class_name")
+    if sched_name not in COGVIDEOX_SCHEDULERS:
+        raise ValueError(
+            f"model.path={str(root)!r}: scheduler {sched_name!r} is not a CogVideoX scheduler "
+            f"(choose from {sorted(COGVIDEOX_SCHEDULERS)})"
+        )
+    scheduler = COGVIDEOX_SCHEDULERS[sched_name].from_pretrained(root / "scheduler")
+    vae_config = AutoencoderKLCogVideoX.load_config(root / "vae")
+    vae_spatial = 2 ** (len(vae_config.get("block_out_channels", (128, 256, 256, 512))) - 1)  # the pipeline's
+    tokenizer = AutoTokenizer.from_pretrained(root / "tokenizer")
+    g = Graph("cogvideox_train")
+    g.add_input("input_ids", TensorSpec(("B", text_len), torch.int64))
+    g.add_input("attention_mask", TensorSpec(("B", text_len), torch.int64))
+    g.add_input("video", TensorSpec(("B", 3, "T", "H", "W"), torch.float32))
+    g.add_stage(
+        CogVideoXT5TextEncoderStage.from_pretrained("text", root / "text_encoder", tokenizer, max_length=text_len)
+    )
+    g.add_stage(CogVideoXVAEEncodeStage.from_pretrained("vae", root / "vae"))
+    g.add_stage(
+        CogVideoXDiTStage.from_pretrained(
+            "dit", root / "transformer", scheduler=scheduler, vae_scale_factor_spatial=vae_spatial
+        )
+    )
+    for src, dst in COGVIDEOX_TRAIN_EDGES:
+        g.connect(src, dst)
+    g.validate()
+    return g
 
 
 # ---- tiny preset --------------------------------------------------------------------------------

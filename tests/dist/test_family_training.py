@@ -1,4 +1,4 @@
-"""Training LTX-Video and HunyuanVideo pipeline directories (``model.path=DIR``) through ``mmpipe train``.
+"""Training LTX-Video, HunyuanVideo and CogVideoX pipeline directories (``model.path=DIR``) through ``mmpipe train``.
 
 Per family: the stages encode exactly as the diffusers pipeline does, the DiT stage's loss is finite
 and reaches every parameter, and a pure pipeline split (encoders on rank 0, the DiT on rank 1) trains
@@ -16,6 +16,8 @@ from typing import Any
 import pytest
 import torch
 from diffusers import (
+    CogVideoXPipeline,
+    CogVideoXTransformer3DModel,
     FlowMatchEulerDiscreteScheduler,
     HunyuanVideoPipeline,
     HunyuanVideoTransformer3DModel,
@@ -26,7 +28,8 @@ from diffusers.pipelines.ltx.pipeline_ltx import calculate_shift
 
 from mmpipe.config import DataConfig, LaunchConfig, ModelConfig, RunConfig, TrainConfig
 from mmpipe.graph import Graph
-from mmpipe.models import build_training_graph, training_stages
+from mmpipe.models import build_training_graph, check_training_pipeline_dir, training_stages
+from mmpipe.models.cogvideox import save_tiny_cogvideox_pipeline
 from mmpipe.models.hunyuan import save_tiny_hunyuan_pipeline
 from mmpipe.models.ltx import save_tiny_ltx_pipeline
 from mmpipe.rundir import read_metrics
@@ -42,7 +45,21 @@ PROMPTS = ["a red circle moving left", "a blue square moving up"]
 FAMILIES: dict[str, tuple[Callable[[Path], Path], Any, Any]] = {
     "ltx": (lambda p: save_tiny_ltx_pipeline(p, seed=0), LTXPipeline, LTXVideoTransformer3DModel),
     "hunyuan": (lambda p: save_tiny_hunyuan_pipeline(p, seed=0), HunyuanVideoPipeline, HunyuanVideoTransformer3DModel),
+    "cogvideox": (
+        lambda p: save_tiny_cogvideox_pipeline(p, seed=0, variant="2b"),
+        CogVideoXPipeline,
+        CogVideoXTransformer3DModel,
+    ),
 }
+
+
+def _text_len(root: Path) -> int:
+    """``model.text_len``: CogVideoX pads prompts to its transformer's ``max_text_seq_length`` (226 in
+    the tiny preset too), which its sin-cos positions cover; the others take ``TEXT_LEN``."""
+    index = root / "model_index.json"
+    if index.is_file() and json.loads(index.read_text()).get("_class_name") == "CogVideoXPipeline":
+        return int(json.loads((root / "transformer" / "config.json").read_text())["max_text_seq_length"])
+    return TEXT_LEN
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -52,12 +69,12 @@ def family_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 
 
 def _graph(root: Path) -> Graph:
-    return build_training_graph(ModelConfig(path=str(root), text_len=TEXT_LEN), root)
+    return build_training_graph(ModelConfig(path=str(root), text_len=_text_len(root)), root)
 
 
 def _batch(graph: Graph, root: Path) -> dict[str, torch.Tensor]:
     video = torch.rand((len(PROMPTS), 3, 9, 32, 32), generator=torch.Generator().manual_seed(0)) * 2 - 1
-    collate = Collator(graph, root, TEXT_LEN)
+    collate = Collator(graph, root, _text_len(root))
     return collate([{"caption": c, "video": v} for c, v in zip(PROMPTS, video, strict=True)])
 
 
@@ -82,13 +99,19 @@ def test_stages_encode_as_the_pipeline_does(family_dir: tuple[str, Path]) -> Non
             )
             rope = graph.stages["dit"].rope_interpolation_scale
             assert rope == (pipe.vae_temporal_compression_ratio / 25, *(2 * [pipe.vae_spatial_compression_ratio]))
-        else:
+        elif name == "hunyuan":
             embeds, pooled, mask = pipe.encode_prompt(PROMPTS, max_sequence_length=TEXT_LEN)
             assert torch.equal(got["pooled"], pooled)
             want = z * pipe.vae.config.scaling_factor
+        else:  # CogVideoX: no text mask; latents frames-first, as the transformer takes them
+            embeds, _ = pipe.encode_prompt(PROMPTS, do_classifier_free_guidance=False, max_sequence_length=226)
+            mask = None
+            want = (z * pipe.vae.config.scaling_factor).permute(0, 2, 1, 3, 4)
+            assert embeds.shape[1] == pipe.transformer.config.max_text_seq_length == 226
     assert torch.equal(got["context"], embeds)
-    assert torch.equal(got["context_mask"].bool(), mask.bool())
-    assert not got["context_mask"].bool().all()  # padding is masked
+    if mask is not None:
+        assert torch.equal(got["context_mask"].bool(), mask.bool())
+        assert not got["context_mask"].bool().all()  # padding is masked
     # Two separately loaded copies of the VAE may pick different CPU convolution paths (last-bit
     # differences, seen with HunyuanVideo's VAE); the normalisation itself is the pipeline's formula.
     torch.testing.assert_close(latents, want, rtol=0, atol=1e-6)
@@ -132,7 +155,7 @@ def _run(run_dir: Path, root: Path, nproc: int, placement: dict | None) -> None:
     train(
         RunConfig(
             run_dir=str(run_dir),
-            model=ModelConfig(path=str(root), text_len=TEXT_LEN),
+            model=ModelConfig(path=str(root), text_len=_text_len(root)),
             data=DataConfig(frames=9, height=32, width=32, num_samples=64, val_samples=4),
             train=TrainConfig(
                 steps=STEPS,
@@ -187,8 +210,14 @@ def test_pipeline_split_trains_bitwise_like_one_process(family_dir: tuple[str, P
     assert all(torch.equal(v, pg[k]) for k, v in graph.denoise.module["transformer"].state_dict().items())
     width = 64 if name == "ltx" else 32
     video = graph.generate(
-        "a red circle moving left", height=32, width=width, num_frames=9, num_inference_steps=2, seed=0,
-        output_type="np", progress=False,
+        "a red circle moving left",
+        height=32,
+        width=width,
+        num_frames=9,
+        num_inference_steps=2,
+        seed=0,
+        output_type="np",
+        progress=False,
     )
     assert video.shape == (1, 9, 32, width, 3)
 
@@ -198,11 +227,14 @@ def test_pipeline_split_trains_bitwise_like_one_process(family_dir: tuple[str, P
     [
         ({"_class_name": "FluxPipeline"}, "_class_name='FluxPipeline' is not supported; supported: "),
         ({"_class_name": "QwenImagePipeline"}, "_class_name='QwenImagePipeline' is not supported; supported: "),
-        ({"_class_name": "CogVideoXPipeline"}, "_class_name='CogVideoXPipeline' is not supported; supported: "),
+        (
+            {"_class_name": "CogVideoXImageToVideoPipeline"},
+            "_class_name='CogVideoXImageToVideoPipeline' is not supported; supported: ",
+        ),
         ({"_class_name": "WanImageToVideoPipeline"}, "_class_name='WanImageToVideoPipeline' is not supported; "),
         ({"_class_name": "WanPipeline", "expand_timesteps": True}, "expand_timesteps=True"),
     ],
-    ids=["flux", "qwen-image", "cogvideox", "wan-i2v", "wan-ti2v"],
+    ids=["flux", "qwen-image", "cogvideox-i2v", "wan-i2v", "wan-ti2v"],
 )
 def test_unsupported_pipeline_is_refused_before_any_worker(tmp_path: Path, meta: dict, message: str) -> None:
     bad = tmp_path / "bad"
@@ -215,5 +247,28 @@ def test_unsupported_pipeline_is_refused_before_any_worker(tmp_path: Path, meta:
         _run(tmp_path / "run", bad, 2, None)
     assert message in str(err.value)
     if "supported: " in message:
-        assert "['WanPipeline', 'LTXPipeline', 'HunyuanVideoPipeline']" in str(err.value)
+        assert "['WanPipeline', 'LTXPipeline', 'HunyuanVideoPipeline', 'CogVideoXPipeline']" in str(err.value)
     assert not (tmp_path / "run").exists()
+
+
+def test_cogvideox_is_accepted_and_its_text_len_checked(tmp_path: Path) -> None:
+    """A ``CogVideoXPipeline`` directory is a training pipeline; its graph refuses a ``model.text_len``
+    other than the transformer's ``max_text_seq_length`` and sequence parallelism, and draws its
+    noise and integer timesteps for the whole micro-batch (a row slice sees the same draw)."""
+    root = save_tiny_cogvideox_pipeline(tmp_path / "pipeline", seed=0, variant="2b")
+    assert check_training_pipeline_dir(root) == root
+    with pytest.raises(ValueError, match="model.text_len=16: .*max_text_seq_length=226; set model.text_len=226"):
+        build_training_graph(ModelConfig(path=str(root), text_len=16), root)
+    with pytest.raises(ValueError, match="set model.text_len=226"):  # mmpipe train: before anything is written
+        train(RunConfig(run_dir=str(tmp_path / "run"), model=ModelConfig(path=str(root), text_len=16)))
+    assert not (tmp_path / "run").exists()
+    dit = _graph(root).stages["dit"]
+    with pytest.raises(ValueError, match="cannot be sequence parallel"):
+        dit.check_sequence_parallel(2, 1)
+    from mmpipe.stages.dit import sample_v_prediction
+
+    x = torch.zeros(4, 3, 4, 2, 4)
+    noise, t = sample_v_prediction(x, seed=3, num_train_timesteps=1000)
+    assert t.dtype == torch.int64 and bool(((t >= 0) & (t < 1000)).all())
+    part, t_part = sample_v_prediction(x[1:3], seed=3, num_train_timesteps=1000, rows=(1, 3, 4))
+    assert torch.equal(part, noise[1:3]) and torch.equal(t_part, t[1:3])
