@@ -96,11 +96,12 @@ class WanVAEDecodeStage(_WanVAEStage):
         return {"video": video_B3THW}
 
 
-class HunyuanVAEEncodeStage(SourcedStage):
-    """``video (B, 3, T, H, W) in [-1, 1] -> latents (B, Z, t, h, w)``, the distribution's mode, scaled."""
+class _KLVideoEncodeStage(SourcedStage):
+    """``video (B, 3, T, H, W) in [-1, 1] -> latents``: a diffusers ``AutoencoderKL*`` video VAE's
+    distribution's mode (deterministic, so runs reproduce), turned into the family's latents by
+    :meth:`latents_from`."""
 
     kind = "vae_encode"
-    model_cls = AutoencoderKLHunyuanVideo
     capabilities = Capabilities(offload=True)
 
     def __init__(self, name: str, source: ModuleSource) -> None:
@@ -117,62 +118,41 @@ class HunyuanVAEEncodeStage(SourcedStage):
         return {"latents": TensorSpec(("B", self.z_dim, "t", "h", "w"), torch.float32)}
 
     def forward(self, module: nn.Module, inputs: Mapping[str, Any], **options: Any) -> dict[str, Any]:
-        vae: Any = module  # diffusers' AutoencoderKLHunyuanVideo
-        video_B3THW = inputs["video"].to(vae.dtype)
-        z_BZthw = vae.encode(video_B3THW).latent_dist.mode().float()
-        return {"latents": z_BZthw * self.scaling_factor}
+        vae: Any = module
+        z_BZthw = vae.encode(inputs["video"].to(vae.dtype)).latent_dist.mode().float()
+        return {"latents": self.latents_from(vae, z_BZthw)}
+
+    def latents_from(self, vae: Any, z_BZthw: torch.Tensor) -> torch.Tensor:
+        """The distribution's mode scaled by ``scaling_factor``."""
+        return z_BZthw * self.scaling_factor
 
 
-class LTXVAEEncodeStage(SourcedStage):
+class HunyuanVAEEncodeStage(_KLVideoEncodeStage):
+    """``video (B, 3, T, H, W) in [-1, 1] -> latents (B, Z, t, h, w)``, the distribution's mode, scaled."""
+
+    model_cls = AutoencoderKLHunyuanVideo
+
+
+class LTXVAEEncodeStage(_KLVideoEncodeStage):
     """``video (B, 3, T, H, W) in [-1, 1] -> latents (B, Z, t, h, w)``, the distribution's mode,
     normalised with the VAE's latent statistics (``LTXPipeline._normalize_latents``)."""
 
-    kind = "vae_encode"
     model_cls = AutoencoderKLLTXVideo
-    capabilities = Capabilities(offload=True)
 
-    def __init__(self, name: str, source: ModuleSource) -> None:
-        super().__init__(name, source, frozen=True)
-        self.z_dim: int = source.config.latent_channels
-
-    @property
-    def inputs(self) -> Mapping[str, TensorSpec]:
-        return {"video": TensorSpec(("B", 3, "T", "H", "W"), torch.float32)}
-
-    @property
-    def outputs(self) -> Mapping[str, TensorSpec]:
-        return {"latents": TensorSpec(("B", self.z_dim, "t", "h", "w"), torch.float32)}
-
-    def forward(self, module: nn.Module, inputs: Mapping[str, Any], **options: Any) -> dict[str, Any]:
-        vae: Any = module  # diffusers' AutoencoderKLLTXVideo
-        z_BZthw = vae.encode(inputs["video"].to(vae.dtype)).latent_dist.mode().float()
-        latents = LTXPipeline._normalize_latents(z_BZthw, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
-        return {"latents": latents}
+    def latents_from(self, vae: Any, z_BZthw: torch.Tensor) -> torch.Tensor:
+        return LTXPipeline._normalize_latents(z_BZthw, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
 
 
-class CogVideoXVAEEncodeStage(SourcedStage):
+class CogVideoXVAEEncodeStage(_KLVideoEncodeStage):
     """``video (B, 3, T, H, W) in [-1, 1] -> latents (B, t, Z, h, w)``: ``AutoencoderKLCogVideoX``'s
     distribution's mode (diffusers' training example samples it; the mode keeps runs deterministic),
     times ``scaling_factor``, frames before channels (the layout ``CogVideoXTransformer3DModel`` takes)."""
 
-    kind = "vae_encode"
     model_cls = AutoencoderKLCogVideoX
-    capabilities = Capabilities(offload=True)
-
-    def __init__(self, name: str, source: ModuleSource) -> None:
-        super().__init__(name, source, frozen=True)
-        self.z_dim: int = source.config.latent_channels
-        self.scaling_factor: float = source.config.scaling_factor
-
-    @property
-    def inputs(self) -> Mapping[str, TensorSpec]:
-        return {"video": TensorSpec(("B", 3, "T", "H", "W"), torch.float32)}
 
     @property
     def outputs(self) -> Mapping[str, TensorSpec]:
         return {"latents": TensorSpec(("B", "t", self.z_dim, "h", "w"), torch.float32)}
 
-    def forward(self, module: nn.Module, inputs: Mapping[str, Any], **options: Any) -> dict[str, Any]:
-        vae: Any = module  # diffusers' AutoencoderKLCogVideoX
-        z_BZthw = vae.encode(inputs["video"].to(vae.dtype)).latent_dist.mode().float()
-        return {"latents": (z_BZthw * self.scaling_factor).permute(0, 2, 1, 3, 4).contiguous()}
+    def latents_from(self, vae: Any, z_BZthw: torch.Tensor) -> torch.Tensor:
+        return (z_BZthw * self.scaling_factor).permute(0, 2, 1, 3, 4).contiguous()

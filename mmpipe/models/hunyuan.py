@@ -48,10 +48,9 @@ from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_toke
 from torch import nn
 from transformers import CLIPTextConfig, CLIPTextModel, LlamaConfig, LlamaModel, PreTrainedTokenizerFast
 
-from mmpipe.data.shapes import caption_vocabulary
 from mmpipe.graph import Graph, TensorSpec
 from mmpipe.models.pipeline_graph import Family, prompt_list
-from mmpipe.models.wan import flow_shift_of
+from mmpipe.models.wan import TINY_TEXTS, flow_shift_of
 from mmpipe.stages import HunyuanTextEncoderStage, HunyuanVAEEncodeStage, HunyuanVideoDiTFlowMatchingStage
 
 
@@ -228,8 +227,6 @@ LLAMA_TEMPLATE_TOKENS = ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>
 #: CLIP's pre-tokenization (after lower-casing; whitespace is split off first)
 CLIP_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+"
 CLIP_SPECIAL_TOKENS = ("<|startoftext|>", "<|endoftext|>", "<unk>")
-#: the words the tiny tokenizers know by default: every caption word, and a few negative-prompt words
-TINY_TEXTS = (*caption_vocabulary(), "blurry static low quality worst")
 
 
 def build_llama_tokenizer(texts: Sequence[str]) -> PreTrainedTokenizerFast:

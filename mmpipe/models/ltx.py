@@ -45,10 +45,9 @@ from diffusers.utils.torch_utils import randn_tensor
 from torch import nn
 from transformers import AutoTokenizer, T5Config, T5EncoderModel
 
-from mmpipe.data.shapes import caption_vocabulary
 from mmpipe.graph import Graph, TensorSpec
 from mmpipe.models.pipeline_graph import Family, prompt_list
-from mmpipe.models.wan import build_word_tokenizer, flow_shift_of
+from mmpipe.models.wan import TINY_TEXTS, build_word_tokenizer, flow_shift_of
 from mmpipe.stages import LTXDiTFlowMatchingStage, LTXT5TextEncoderStage, LTXVAEEncodeStage
 
 
@@ -286,9 +285,6 @@ def build_ltx_training_graph(pipeline_dir: str | Path, *, text_len: int, frame_r
 
 
 # ---- tiny preset -----------------------------------------------------------------------------------
-
-#: the words the tiny tokenizer knows by default: every caption word, and a few negative-prompt words
-TINY_TEXTS = (*caption_vocabulary(), "blurry static low quality worst")
 
 
 def build_tiny_ltx_pipeline(

@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-from diffusers import DiffusionPipeline
 from safetensors import SafetensorError, safe_open
 from torch import nn
 from tqdm.auto import tqdm
@@ -438,17 +437,9 @@ def family_for(pipe: Any) -> type[Family]:
     return family
 
 
-def pipeline_graph(pipe: DiffusionPipeline) -> PipelineGraph:
-    """The shared graph of ``pipe`` through its family."""
-    return PipelineGraph(family_for(pipe)(pipe))
-
-
-def check_family_dir(path: str | Path, *, key: str = "pipeline") -> Path:
-    """``path`` as a local diffusers directory of a supported pipeline class, checked from its
-    ``model_index.json``, component folders and safetensors headers without loading any weights;
-    raises ``ValueError`` naming ``key``, the directory and what is wrong."""
-    root = Path(path)
-    where = f"{key}={str(root)!r}"
+def read_model_index(root: Path, where: str) -> dict[str, Any]:
+    """A local pipeline directory's ``model_index.json``, or a ``ValueError`` starting with
+    ``where`` (the key and directory) saying what is wrong; nothing is ever downloaded."""
     index = root / "model_index.json"
     if not index.is_file():
         raise ValueError(
@@ -461,24 +452,39 @@ def check_family_dir(path: str | Path, *, key: str = "pipeline") -> Path:
         raise ValueError(f"{where}: model_index.json is not readable JSON ({err})") from None
     if not isinstance(meta, dict):
         raise ValueError(f"{where}: model_index.json is not a JSON object")
+    return meta
+
+
+def check_component(root: Path, component: str, where: str) -> None:
+    """The component's folder exists and its safetensors headers read (the header only:
+    microseconds, memory-mapped, and catches truncated and corrupt files)."""
+    if not (root / component).is_dir():
+        raise ValueError(f"{where}: the {component} folder is missing")
+    for weights in sorted((root / component).glob("*.safetensors")):
+        try:
+            with safe_open(weights, framework="pt") as f:
+                f.keys()
+        except (SafetensorError, OSError) as err:
+            raise ValueError(
+                f"{where}: {weights.relative_to(root)} is not a readable safetensors file ({err})"
+            ) from None
+
+
+def check_family_dir(path: str | Path, *, key: str = "pipeline") -> Path:
+    """``path`` as a local diffusers directory of a supported pipeline class, checked from its
+    ``model_index.json``, component folders and safetensors headers without loading any weights;
+    raises ``ValueError`` naming ``key``, the directory and what is wrong."""
+    root = Path(path)
+    where = f"{key}={str(root)!r}"
+    meta = read_model_index(root, where)
     name = meta.get("_class_name")
     if name not in FAMILY_MODULES:
         raise ValueError(
             f"{where}: model_index.json's _class_name={name!r} is not supported; supported: {sorted(FAMILY_MODULES)}"
         )
     for component, entry in meta.items():
-        if component.startswith("_") or not isinstance(entry, list) or entry == [None, None]:
-            continue
-        if not (root / component).is_dir():
-            raise ValueError(f"{where}: the {component} folder is missing")
-        for weights in sorted((root / component).glob("*.safetensors")):
-            try:  # the header only (microseconds, memory-mapped): catches truncated and corrupt files
-                with safe_open(weights, framework="pt") as f:
-                    f.keys()
-            except (SafetensorError, OSError) as err:
-                raise ValueError(
-                    f"{where}: {weights.relative_to(root)} is not a readable safetensors file ({err})"
-                ) from None
+        if not component.startswith("_") and isinstance(entry, list) and entry != [None, None]:
+            check_component(root, component, where)
     return root
 
 

@@ -26,13 +26,12 @@ import json
 import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import torch
 from diffusers import AutoencoderKLWan, DiffusionPipeline, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
 from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 from diffusers.video_processor import VideoProcessor
-from safetensors import SafetensorError, safe_open
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
 from torch import nn
 from transformers import (
@@ -47,8 +46,17 @@ from transformers import (
 )
 
 from mmpipe.config import ModelConfig
+from mmpipe.data.shapes import caption_vocabulary
 from mmpipe.graph import Graph, TensorSpec
-from mmpipe.models.pipeline_graph import NOT_IMPLEMENTED, Family, bind_call, call_generator, prompt_list
+from mmpipe.models.pipeline_graph import (
+    NOT_IMPLEMENTED,
+    Family,
+    bind_call,
+    call_generator,
+    check_component,
+    prompt_list,
+    read_model_index,
+)
 from mmpipe.models.shapes_vae import load_shapes_vae
 from mmpipe.stages import (
     CausalLMTextEncoderStage,
@@ -64,6 +72,11 @@ from mmpipe.stages.sampler import guidance_on
 logger = logging.getLogger(__name__)
 
 SPECIAL_TOKENS = ("<pad>", "</s>", "<unk>")  # T5 order: pad=0, eos=1, unk=2
+
+
+#: the words the tiny families' tokenizers know by default (LTX, HunyuanVideo): every caption word,
+#: and a few negative-prompt words
+TINY_TEXTS = (*caption_vocabulary(), "blurry static low quality worst")
 
 
 def build_word_tokenizer(texts: Sequence[str]) -> PreTrainedTokenizerFast:
@@ -218,7 +231,7 @@ class Wan22Family(Family):
     Latents ``(B, Z, t, h, w)`` float32, as ``WanPipeline`` keeps them; the DiT runs in its dtype.
     """
 
-    pipeline_cls = WanPipeline
+    pipeline_cls: ClassVar[type] = WanPipeline  # WanI2VFamily: WanImageToVideoPipeline
     denoise_components = ("transformer", "transformer_2")
 
     def prepare_call(self, call: dict[str, Any]) -> dict[str, Any]:
@@ -230,6 +243,12 @@ class Wan22Family(Family):
             call["width"],
             guidance_scale_2=call["guidance_scale_2"],
         )
+        return self._fit_call(call)
+
+    def _fit_call(self, call: dict[str, Any]) -> dict[str, Any]:
+        """The frame count and sizes rounded as Wan's pipelines round them (with their warnings), and
+        ``guidance_scale_2`` defaulting to ``guidance_scale`` on two-expert pipelines."""
+        p = self.pipe
         prompt_list(call["prompt"])
         height, width, frames = call["height"], call["width"], call["num_frames"]
         scale_t = p.vae_scale_factor_temporal
@@ -440,11 +459,9 @@ class T2VGraph(Graph):
         if call["guidance_scale_2"] is not None:
             raise ValueError("guidance_scale_2 is only supported when the pipeline's boundary_ratio is not None")
         prompts = prompt_list(call["prompt"])
-        negative_prompt = call["negative_prompt"]
+        negative_prompt = call["negative_prompt"]  # a list's length is checked by prompt_inputs
         if negative_prompt is not None and not isinstance(negative_prompt, str):
             negative_prompt = list(negative_prompt)
-            if len(negative_prompt) != len(prompts):
-                raise ValueError(f"negative_prompt has {len(negative_prompt)} entries but prompt has {len(prompts)}")
         repeat = int(call["num_videos_per_prompt"])
         if repeat < 1:
             raise ValueError(f"num_videos_per_prompt must be >= 1, got {repeat}")
@@ -569,18 +586,7 @@ def check_pipeline_dir(
 
     root = Path(path)
     where = f"{key}={str(root)!r}"
-    index = root / "model_index.json"
-    if not index.is_file():
-        raise ValueError(
-            f"{where} is not a local diffusers pipeline directory (no model_index.json); "
-            "mmpipe never downloads from a hub at run time"
-        )
-    try:
-        meta = json.loads(index.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"{where}: model_index.json is not readable JSON ({err})") from None
-    if not isinstance(meta, dict):
-        raise ValueError(f"{where}: model_index.json is not a JSON object")
+    meta = read_model_index(root, where)
     supported = supported if supported is not None else {"WanPipeline": WAN_COMPONENTS}
     name = meta.get("_class_name")
     if name not in supported:
@@ -599,16 +605,7 @@ def check_pipeline_dir(
         entry = meta.get(component)
         if not (isinstance(entry, list) and len(entry) == 2 and all(entry)):
             raise ValueError(f"{where}: model_index.json names no {component} (got {entry!r})")
-        if not (root / component).is_dir():
-            raise ValueError(f"{where}: the {component} folder is missing")
-        for weights in sorted((root / component).glob("*.safetensors")):
-            try:  # the header only (microseconds, memory-mapped): catches truncated and corrupt files
-                with safe_open(weights, framework="pt") as f:
-                    f.keys()
-            except (SafetensorError, OSError) as err:
-                raise ValueError(
-                    f"{where}: {weights.relative_to(root)} is not a readable safetensors file ({err})"
-                ) from None
+        check_component(root, component, where)
     return root
 
 

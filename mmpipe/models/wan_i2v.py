@@ -22,7 +22,6 @@ N image tokens, D CLIP width.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Literal, cast
@@ -34,19 +33,18 @@ from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
 
 from mmpipe.config import ModelConfig
 from mmpipe.data import caption_vocabulary
-from mmpipe.models.pipeline_graph import Family, prompt_list
-from mmpipe.models.wan import build_text_encoder, build_word_tokenizer, wan_vae_decode
-
-logger = logging.getLogger(__name__)
+from mmpipe.models.pipeline_graph import prompt_list
+from mmpipe.models.wan import Wan22Family, build_text_encoder, build_word_tokenizer
 
 
-class WanI2VFamily(Family):
+class WanI2VFamily(Wan22Family):
     """``WanImageToVideoPipeline``: Wan 2.1 I2V (CLIP image embeddings and the VAE-encoded first
     frame condition one expert), FLF2V (a ``last_image`` too), Wan 2.2 I2V (two experts split at
     ``boundary_ratio``) and TI2V (``expand_timesteps``: per-token timesteps, the first latent frame
     is the image's).
 
     Latents ``(B, Z, t, h, w)`` float32; the condition latents in the state (see the module docstring).
+    Sizes, text encoding, the expert boundary and the decode are :class:`Wan22Family`'s.
     """
 
     pipeline_cls = WanImageToVideoPipeline
@@ -67,9 +65,6 @@ class WanI2VFamily(Family):
         t = self.pipe.transformer
         return t is not None and t.config.image_dim is not None
 
-    def _expert(self) -> Any:
-        return self.pipe.transformer if self.pipe.transformer is not None else self.pipe.transformer_2
-
     def prepare_call(self, call: dict[str, Any]) -> dict[str, Any]:
         """The required ``image``, the pipeline's ``check_inputs``, and the frame count and sizes
         rounded as ``__call__`` rounds them; ``guidance_scale_2`` defaults to ``guidance_scale``
@@ -89,48 +84,20 @@ class WanI2VFamily(Family):
             callback_on_step_end_tensor_inputs=call["callback_on_step_end_tensor_inputs"],
             guidance_scale_2=call["guidance_scale_2"],
         )
-        prompt_list(call["prompt"])
-        height, width, frames = call["height"], call["width"], call["num_frames"]
-        scale_t = p.vae_scale_factor_temporal
-        if frames % scale_t != 1:
-            logger.warning("num_frames - 1 must be divisible by %d; rounding %d", scale_t, frames)
-            frames = frames // scale_t * scale_t + 1
-        frames = max(frames, 1)
-        patch = self._expert().config.patch_size
-        mh, mw = p.vae_scale_factor_spatial * patch[1], p.vae_scale_factor_spatial * patch[2]
-        if (height % mh, width % mw) != (0, 0):
-            logger.warning("height/width must be multiples of (%d, %d); rounding (%d, %d)", mh, mw, height, width)
-            height, width = height // mh * mh, width // mw * mw
-        scale_2 = call["guidance_scale_2"]
-        if p.config.boundary_ratio is not None and scale_2 is None:
-            scale_2 = call["guidance_scale"]
-        return call | {"height": height, "width": width, "num_frames": frames, "guidance_scale_2": scale_2}
-
-    def guided(self, call: Mapping[str, Any]) -> bool:
-        # the pipeline's do_classifier_free_guidance: guidance_scale alone, for both experts
-        return float(call["guidance_scale"]) > 1.0
+        return self._fit_call(call)
 
     def encode(self, call: Mapping[str, Any], guided: bool) -> dict[str, torch.Tensor]:
         """``encode_prompt``, and ``encode_image`` on the image (and ``last_image``) where the
         transformer takes CLIP embeddings: both branches share them."""
         p = self.pipe
-        device = self.execution_device
-        pos, neg = p.encode_prompt(
-            prompt=call["prompt"],
-            negative_prompt=call["negative_prompt"],
-            do_classifier_free_guidance=guided,
-            num_videos_per_prompt=call["num_videos_per_prompt"],
-            max_sequence_length=call["max_sequence_length"],
-            device=device,
-        )
+        out = super().encode(call, guided)
         dtype = self._expert().dtype
-        out = {"prompt_embeds": pos.to(dtype)}
-        if neg is not None:
-            out["negative_prompt_embeds"] = neg.to(dtype)
         if self.takes_image_embeds:
             images = call["image"] if call["last_image"] is None else [call["image"], call["last_image"]]
             # as __call__: repeated for the prompts, not for num_videos_per_prompt
-            embeds = p.encode_image(images, device).repeat(len(prompt_list(call["prompt"])), 1, 1).to(dtype)
+            embeds = (
+                p.encode_image(images, self.execution_device).repeat(len(prompt_list(call["prompt"])), 1, 1).to(dtype)
+            )
             out["image_embeds"] = embeds
             if guided:
                 out["negative_image_embeds"] = embeds
@@ -169,24 +136,6 @@ class WanI2VFamily(Family):
             "dtype": self._expert().dtype,
         }
 
-    def set_timesteps(
-        self, scheduler: Any, call: Mapping[str, Any], latents: torch.Tensor, state: dict[str, Any]
-    ) -> torch.Tensor:
-        """The pipeline's ``set_timesteps``; Wan 2.2's expert boundary in timesteps."""
-        scheduler.set_timesteps(call["num_inference_steps"], device=self.execution_device)
-        ratio = self.pipe.config.boundary_ratio
-        state["boundary"] = ratio * scheduler.config.num_train_timesteps if ratio is not None else None
-        return cast(torch.Tensor, scheduler.timesteps)
-
-    def model_for(
-        self, step: int, t: torch.Tensor, call: Mapping[str, Any], state: Mapping[str, Any]
-    ) -> tuple[str, float]:
-        """``transformer`` with ``guidance_scale`` from the boundary up, ``transformer_2`` with
-        ``guidance_scale_2`` below it."""
-        if state["boundary"] is None or t >= state["boundary"]:
-            return "transformer", float(call["guidance_scale"])
-        return "transformer_2", float(call["guidance_scale_2"])
-
     def predict(
         self,
         model: nn.Module,
@@ -220,12 +169,6 @@ class WanI2VFamily(Family):
         (so ``output_type="latent"`` returns it too)."""
         mask = state["first_frame_mask"]
         return latents if mask is None else (1 - mask) * state["condition"] + mask * latents
-
-    def decode(
-        self, latents: torch.Tensor, call: Mapping[str, Any], extras: Mapping[str, torch.Tensor]
-    ) -> torch.Tensor:
-        """The pipeline's decode (de-normalised with the VAE's latent statistics): ``(B, 3, T, H, W)``."""
-        return wan_vae_decode(self.pipe.vae, latents)
 
 
 # ---- tiny presets -------------------------------------------------------------------------------
