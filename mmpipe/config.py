@@ -339,8 +339,20 @@ class GenerateConfig:
     width: int | None = None
     fps: int = 8
     out: str | None = None  # None: <ckpt>/samples
+    # Processes one request runs on (CPU ranks, gloo), and where its stages run among them, e.g.
+    # {text: [0], denoise: {ranks: [0, 1], ulysses: 2}, decode: [0]}; None: the guidance branches
+    # on two halves of the ranks (cfg: 2) when guidance is on, Ulysses over the rest
+    nproc: int = 1
+    placement: dict[str, Any] | None = None
+    threads: int = 0  # torch threads per rank; 0: the machine's cores / nproc
 
     def __post_init__(self) -> None:
+        if self.nproc < 1 or self.threads < 0:
+            raise ValueError(
+                f"generate: nproc must be >= 1 and threads >= 0 (got nproc={self.nproc}, threads={self.threads})"
+            )
+        if self.placement is not None and not isinstance(self.placement, dict):
+            raise ValueError(f"placement={self.placement!r}: expected a mapping of text / denoise / decode")
         if bool(self.ckpt) == bool(self.pipeline):
             raise ValueError(
                 "give exactly one of ckpt and pipeline: mmpipe generate ckpt=RUN_DIR or pipeline=DIFFUSERS_DIR "

@@ -9,6 +9,8 @@ run's ``model.kernels`` for CUDA (``auto``: mmpipe's Triton kernels).
 
 from __future__ import annotations
 
+import logging
+import os
 import re
 import shutil
 from pathlib import Path
@@ -17,29 +19,77 @@ from typing import Any
 import torch
 from PIL import Image
 
+from mmpipe.assemble.inference import (
+    InferencePlacement,
+    check_placement_for_model,
+    latent_frames_of,
+    parse_inference_placement,
+)
 from mmpipe.config import GenerateConfig
 from mmpipe.data import frames_to_uint8, write_gif, write_mp4, write_png
 from mmpipe.devices import DeviceType, resolve_device
 from mmpipe.models.loading import from_diffusers
 from mmpipe.models.pipeline_graph import PipelineGraph, check_family_dir
 from mmpipe.report.recording import record_generation
-from mmpipe.rundir import load_run_config
+from mmpipe.rundir import load_run_config, pipeline_dir
+from mmpipe.runtime.inference import launch_ranks, place_inference_graph
 from mmpipe.runtime.trained import check_trained_run, load_trained_graph
+from mmpipe.stages.sampler import guidance_on
+
+logger = logging.getLogger(__name__)
 
 
 def generate(cfg: GenerateConfig) -> dict[str, Path]:
     """Render ``cfg.prompt`` with the trained run ``cfg.ckpt`` or the pipeline ``cfg.pipeline`` on
     ``cfg.device``; returns the written files: the GIF and the MP4 (a PNG for image families) and
     the generation's own run directory (its events, memory samples and trace, which ``mmpipe
-    report`` reads)."""
+    report`` reads). With ``nproc > 1`` the request runs on that many local CPU ranks, its stages
+    placed by ``cfg.placement`` (checked, with the model's config files, before any rank starts)."""
     device = resolve_device(cfg.device)  # device=cuda without a GPU: refused before anything loads
-    if cfg.pipeline is not None:
-        return _generate_pipeline(cfg, device)
+    if cfg.nproc == 1 and cfg.placement is None:
+        return _render(*_prepare(cfg, device), cfg)
+    if device is not DeviceType.CPU:
+        raise ValueError(
+            f"nproc={cfg.nproc} / placement: a request over several ranks runs on CPU ranks (gloo) today; "
+            "use device=cpu, or nproc=1 on a GPU"
+        )
+    placement = parse_inference_placement(cfg.placement, cfg.nproc, guided=guidance_on(cfg.guidance))
+    root = check_family_dir(cfg.pipeline) if cfg.pipeline is not None else _checked_run(cfg)[1]
+    frames = cfg.frames or (load_run_config(Path(cfg.ckpt)).data.frames if cfg.ckpt else None)
+    check_placement_for_model(placement, root, latent_frames_of(root, frames) if frames else None)
+    logger.info("generate over %d ranks: %s", cfg.nproc, placement.describe())
+    results = launch_ranks(_generate_rank, cfg.nproc, cfg, placement)
+    written: dict[str, Path] = results[0]
+    return written
+
+
+def _generate_rank(rank: int, world: int, cfg: GenerateConfig, placement: InferencePlacement) -> dict[str, Path] | None:
+    """One rank of a multi-process generation: every rank runs the graph; rank 0 writes the files."""
+    torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // world))
+    graph, call, out_dir, video = _prepare(cfg, DeviceType.CPU)
+    place_inference_graph(graph, placement)
+    if rank == 0:
+        return _render(graph, call, out_dir, video, cfg)
+    with torch.no_grad():
+        graph.generate(**call, seed=cfg.seed, output_type="np", progress=False)
+    return None
+
+
+def _checked_run(cfg: GenerateConfig) -> tuple[Path, Path]:
+    """The trained run ``cfg.ckpt`` (checked) and its pipeline directory."""
     assert cfg.ckpt is not None  # GenerateConfig.__post_init__ requires one of them
     run_dir = Path(cfg.ckpt)
     check_trained_run(run_dir)
     if cfg.image is not None:
         raise ValueError(f"image={cfg.image!r}: a trained run is text-to-video; image is for pipeline=DIR")
+    return run_dir, pipeline_dir(load_run_config(run_dir).model, run_dir)
+
+
+def _prepare(cfg: GenerateConfig, device: DeviceType) -> tuple[Any, dict[str, Any], Path, bool]:
+    """The graph, the ``generate`` call, the output folder and whether the output is a video."""
+    if cfg.pipeline is not None:
+        return _prepare_pipeline(cfg, device)
+    run_dir, _ = _checked_run(cfg)
     data = load_run_config(run_dir).data
     graph = load_trained_graph(run_dir, device)
     call = {
@@ -51,10 +101,10 @@ def generate(cfg: GenerateConfig) -> dict[str, Path]:
         "num_inference_steps": cfg.steps,
         "guidance_scale": cfg.guidance,
     }
-    return _render(graph, call, cfg, Path(cfg.out) if cfg.out else run_dir / "samples", video=True)
+    return graph, call, Path(cfg.out) if cfg.out else run_dir / "samples", True
 
 
-def _generate_pipeline(cfg: GenerateConfig, device: DeviceType) -> dict[str, Path]:
+def _prepare_pipeline(cfg: GenerateConfig, device: DeviceType) -> tuple[Any, dict[str, Any], Path, bool]:
     """``pipeline=DIR``: the directory's family graph; sizes the config leaves unset are the
     pipeline's own defaults."""
     assert cfg.pipeline is not None
@@ -73,10 +123,10 @@ def _generate_pipeline(cfg: GenerateConfig, device: DeviceType) -> dict[str, Pat
     bind = graph.bind if isinstance(graph, PipelineGraph) else None
     if bind is not None:
         bind(**call)  # an argument the family does not take: refused before anything is written
-    return _render(graph, call, cfg, Path(cfg.out) if cfg.out else root / "samples", video=video)
+    return graph, call, Path(cfg.out) if cfg.out else root / "samples", video
 
 
-def _render(graph: Any, call: dict[str, Any], cfg: GenerateConfig, out_dir: Path, *, video: bool) -> dict[str, Path]:
+def _render(graph: Any, call: dict[str, Any], out_dir: Path, video: bool, cfg: GenerateConfig) -> dict[str, Path]:
     stem = f"{_slug(cfg.prompt)}-seed{cfg.seed}"
     record_dir = out_dir / f"{stem}-run"
     out_dir.mkdir(parents=True, exist_ok=True)

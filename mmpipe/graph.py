@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import networkx as nx
@@ -178,6 +178,11 @@ class Stage(abc.ABC):
             return self.forward(self.module, inputs, **options)
 
 
+#: ``(stage, inputs, options) -> outputs``: how one process of a multi-process run obtains a
+#: stage's outputs (computes them, or receives them from the rank that does)
+StageHost = Callable[["Stage", Mapping[str, Any], dict[str, Any]], dict[str, Any]]
+
+
 class Graph:
     """Stages plus edges between their named ports, backed by a ``networkx.MultiDiGraph``."""
 
@@ -188,6 +193,9 @@ class Graph:
         self.edges: list[Edge] = []
         self._nx = nx.MultiDiGraph()
         self._nx.add_node(INPUT)
+        #: stages :meth:`run` does not call directly: their host computes the outputs (e.g. on one
+        #: rank, broadcast to the others; see ``mmpipe.runtime.inference``)
+        self.hosts: dict[str, StageHost] = {}
 
     # ---- building -------------------------------------------------------------------------
     def add_input(self, name: str, spec: TensorSpec) -> None:
@@ -301,7 +309,9 @@ class Graph:
                 e.dst_port: values[e.src][e.src_port] for e in self.producers(name) if e.src_port in values[e.src]
             }
             _check_ports(name, "input", stage.inputs, port_values)
-            out = stage(port_values, **dict((options or {}).get(name, {})))
+            stage_options = dict((options or {}).get(name, {}))
+            host = self.hosts.get(name)
+            out = host(stage, port_values, stage_options) if host is not None else stage(port_values, **stage_options)
             _check_ports(name, "output", stage.outputs, out)
             values[name] = out
         del values[INPUT]

@@ -237,6 +237,26 @@ def _rotary_for_shard(state: SequenceState, *, token_dim: int) -> Callable[..., 
     return hook
 
 
+def wan_sequence_hooks(module: nn.Module, state: SequenceState) -> None:
+    """Make a ``WanTransformer3DModel`` run on this rank's latent frames (training and inference):
+    self-attention (``attn1``) through the sequence-parallel processor, the rotary table of the whole
+    frame grid cut to this rank's tokens; cross-attention to the (replicated) text stays local."""
+    for block in cast(Any, module).blocks:
+        block.attn1.set_processor(SequenceParallelProcessor(block.attn1.processor, state))
+    cast(Any, module).rope.register_forward_hook(_rotary_for_shard(state, token_dim=1))
+
+
+def hunyuan_sequence_hooks(module: nn.Module, state: SequenceState) -> None:
+    """Make a ``HunyuanVideoTransformer3DModel`` run on this rank's latent frames: every dual- and
+    single-stream block attends jointly over this rank's video tokens and the whole (padded) text
+    (joint sequence-parallel attention, the text a replicated tail). The token refiner (text only)
+    is left alone; the rotary table is cut like Wan's."""
+    m = cast(Any, module)
+    for block in [*m.transformer_blocks, *m.single_transformer_blocks]:
+        block.attn.set_processor(JointSequenceParallelProcessor(block.attn.processor, state))
+    m.rope.register_forward_hook(_rotary_for_shard(state, token_dim=0))
+
+
 class WanDiTFlowMatchingStage(FlowMatchingDiTStage):
     """The Wan DiT (diffusers ``WanTransformer3DModel``)."""
 
@@ -244,11 +264,7 @@ class WanDiTFlowMatchingStage(FlowMatchingDiTStage):
     context_dim_key = "text_dim"
 
     def apply_sequence_hooks(self, module: nn.Module, state: SequenceState) -> None:
-        """Self-attention (``attn1``) through the sequence-parallel processor; the rotary table of the
-        whole frame grid, cut to this rank's tokens."""
-        for block in cast(Any, module).blocks:
-            block.attn1.set_processor(SequenceParallelProcessor(block.attn1.processor, state))
-        cast(Any, module).rope.register_forward_hook(_rotary_for_shard(state, token_dim=1))
+        wan_sequence_hooks(module, state)
 
     def use_kernels(self, module: nn.Module, choice: KernelChoice) -> None:
         use_kernels(module, choice)
@@ -314,13 +330,7 @@ class HunyuanVideoDiTFlowMatchingStage(FlowMatchingDiTStage):
         self.guidance = guidance
 
     def apply_sequence_hooks(self, module: nn.Module, state: SequenceState) -> None:
-        """Every dual- and single-stream block attends jointly over this rank's video tokens and the
-        whole (padded) text: joint sequence-parallel attention with the text as a replicated tail. The
-        token refiner (text only) is left alone; the rotary table is cut like Wan's."""
-        m = cast(Any, module)
-        for block in [*m.transformer_blocks, *m.single_transformer_blocks]:
-            block.attn.set_processor(JointSequenceParallelProcessor(block.attn.processor, state))
-        m.rope.register_forward_hook(_rotary_for_shard(state, token_dim=0))
+        hunyuan_sequence_hooks(module, state)
 
     @property
     def inputs(self) -> Mapping[str, TensorSpec]:

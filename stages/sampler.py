@@ -11,9 +11,10 @@ Legend: B batch, Z latent channels, t/h/w latent frames/height/width, L text tok
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from diffusers import WanTransformer3DModel
@@ -22,7 +23,10 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from mmpipe.graph import Capabilities, TensorSpec
+from mmpipe.parallel.denoise import COND, UNCOND, DenoiseGroup, DenoiseLayout
+from mmpipe.parallel.sequence import check_heads
 from mmpipe.stages._source import ModuleSource, SourcedStage
+from mmpipe.stages.dit import wan_sequence_hooks
 
 
 def guidance_on(guidance_scale: float) -> bool:
@@ -76,6 +80,16 @@ class DenoiseStage(SourcedStage):
         scheduler.set_begin_index(0)
         return scheduler
 
+    def parallelize(self, group: DenoiseGroup) -> None:
+        """Denoise each request over ``group``'s ranks (:mod:`mmpipe.parallel.denoise`): its
+        CFG rows run one guidance branch each, its sequence-parallel ranks their latent frames."""
+        check_denoise_layout(self.source.config, group.layout, key=f"stage {self.name!r}")
+        if group.state is not None:
+            wan_sequence_hooks(self.module, group.state)
+        self.parallel = group
+
+    parallel: DenoiseGroup | None = None
+
     def forward(
         self,
         module: nn.Module,
@@ -91,19 +105,39 @@ class DenoiseStage(SourcedStage):
         cfg_on = guidance_on(guidance_scale)
         if cfg_on and "negative_context" not in inputs:
             raise ValueError(f"stage {self.name!r}: guidance_scale={guidance_scale} needs a negative_context")
-        dtype = module.dtype
-        cond_BLD = inputs["context"].to(dtype)
-        uncond_BLD = inputs["negative_context"].to(dtype) if cfg_on else None
+        dtype = cast(torch.dtype, module.dtype)  # diffusers ModelMixin.dtype
+        context = {COND: inputs["context"].to(dtype)}
+        if cfg_on:
+            context[UNCOND] = inputs["negative_context"].to(dtype)
         latents = inputs["latents"].float()
         scheduler = self.scheduler_for(num_inference_steps, latents.device)
+        par = self.parallel
+        frames = latents.shape[2]
+        p_h, p_w = self.source.config.patch_size[1:]
+        per_frame = (latents.shape[3] // p_h) * (latents.shape[4] // p_w)
         for t in tqdm(scheduler.timesteps, desc=self.name, disable=not progress, leave=False):
-            x = latents.to(dtype)
+            x = (par.local(latents) if par is not None else latents).to(dtype)
             timestep_B = t.expand(latents.shape[0])
-            pred = module(hidden_states=x, timestep=timestep_B, encoder_hidden_states=cond_BLD, return_dict=False)[0]
-            if uncond_BLD is not None:
-                pred_u = module(
-                    hidden_states=x, timestep=timestep_B, encoder_hidden_states=uncond_BLD, return_dict=False
-                )[0]
-                pred = guide(pred, pred_u, guidance_scale)
+            preds: dict[str, torch.Tensor] = {}
+            branches = par.branches(cfg_on) if par is not None else tuple(context)
+            with par.tokens(frames, per_frame) if par is not None else contextlib.nullcontext():
+                for branch in branches:
+                    preds[branch] = module(
+                        hidden_states=x, timestep=timestep_B, encoder_hidden_states=context[branch], return_dict=False
+                    )[0]
+            if par is not None:
+                preds = par.gather(preds, frames, cfg_on)
+            pred = guide(preds[COND], preds[UNCOND], guidance_scale) if cfg_on else preds[COND]
             latents = scheduler.step(pred, t, latents, return_dict=False)[0]
         return {"latents": latents}
+
+
+def check_denoise_layout(config: Any, layout: DenoiseLayout, *, key: str) -> None:
+    """Refuse a denoise layout a Wan-style DiT config cannot run: Ulysses must divide the heads, and
+    sequence parallelism splits whole latent frames (``patch_size_t == 1``)."""
+    if layout.ulysses > 1:
+        check_heads(config.num_attention_heads, layout.ulysses, what=key)
+    patch = config.patch_size
+    patch_t = patch[0] if isinstance(patch, list | tuple) else getattr(config, "patch_size_t", 1) or 1
+    if layout.sp > 1 and patch_t != 1:
+        raise ValueError(f"{key}: sequence parallelism splits whole latent frames, but patch_size_t={patch_t}")

@@ -51,7 +51,9 @@ from transformers import CLIPTextConfig, CLIPTextModel, LlamaConfig, LlamaModel,
 from mmpipe.graph import Graph, TensorSpec
 from mmpipe.models.pipeline_graph import Family, prompt_list
 from mmpipe.models.wan import TINY_TEXTS, flow_shift_of
+from mmpipe.parallel.modules import SequenceState
 from mmpipe.stages import HunyuanTextEncoderStage, HunyuanVAEEncodeStage, HunyuanVideoDiTFlowMatchingStage
+from mmpipe.stages.dit import hunyuan_sequence_hooks
 
 
 class HunyuanVideoFamily(Family):
@@ -67,6 +69,13 @@ class HunyuanVideoFamily(Family):
     cfg_argument = "true_cfg_scale"  # guidance_scale is the distilled guidance embedding
     text_components = ("text_encoder", "text_encoder_2")
     condition_ports = ("prompt_embeds", "pooled_prompt_embeds", "prompt_attention_mask")
+
+    @classmethod
+    def sequence_parallel(cls, pipeline_config: Mapping[str, Any]) -> str | None:
+        return None
+
+    def apply_sequence_hooks(self, model: nn.Module, state: SequenceState) -> None:
+        hunyuan_sequence_hooks(model, state)
 
     def prepare_call(self, call: dict[str, Any]) -> dict[str, Any]:
         # The pipeline rounds nothing: height / width not divisible by 16 are refused here, and the

@@ -29,7 +29,8 @@ import inspect
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, ClassVar
+from types import SimpleNamespace
+from typing import Any, ClassVar, cast
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -37,6 +38,9 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from mmpipe.graph import Graph, Stage, TensorSpec
+from mmpipe.parallel.denoise import COND, UNCOND, DenoiseGroup, DenoiseLayout
+from mmpipe.parallel.modules import SequenceState
+from mmpipe.stages.sampler import check_denoise_layout
 
 #: diffusers pipeline class name -> "module:Family class" (imported on first use)
 FAMILY_MODULES: dict[str, str] = {
@@ -161,9 +165,45 @@ class Family(abc.ABC):
     #: ``guidance`` sets): ``true_cfg_scale`` where ``guidance_scale`` is a distilled embedding
     cfg_argument: ClassVar[str] = "guidance_scale"
 
+    #: state tensors ``(B, C, t, h, w)`` that :meth:`predict` reads beside the latents (an image
+    #: condition): a sequence-parallel rank gets its frames of them too
+    sequence_state: ClassVar[tuple[str, ...]] = ()
+
     def __init__(self, pipe: Any) -> None:
         """Wrap ``pipe``; a subclass raises ``ValueError`` here for a pipeline it cannot run."""
         self.pipe = pipe
+
+    # ---- parallel denoising ------------------------------------------------------------------
+    @classmethod
+    def sequence_parallel(cls, pipeline_config: Mapping[str, Any]) -> str | None:
+        """Why the denoiser of a pipeline of this class and ``pipeline_config`` (its
+        ``model_index.json``) cannot run sequence parallel; ``None``: it can, through
+        :meth:`apply_sequence_hooks`."""
+        return f"{cls.pipeline_cls.__name__}'s transformer has no sequence-parallel hooks in mmpipe"
+
+    def apply_sequence_hooks(self, model: nn.Module, state: SequenceState) -> None:
+        """Make ``model`` run on a rank's latent frames (:mod:`mmpipe.stages.dit`'s hooks)."""
+        raise ValueError(self.sequence_parallel(self.pipe.config) or "no sequence-parallel hooks")
+
+    @classmethod
+    def check_parallel(
+        cls, layout: DenoiseLayout, pipeline_config: Mapping[str, Any], models: Mapping[str, Any], *, key: str
+    ) -> None:
+        """Refuse a denoise layout this pipeline cannot run, naming the key (``models``: each denoise
+        component's config)."""
+        if layout.sp == 1:
+            return
+        why = cls.sequence_parallel(pipeline_config)
+        if why is not None:
+            raise ValueError(f"{key}: ulysses x ring = {layout.sp}, but {why}; use cfg=2 or one rank")
+        for name, config in models.items():
+            check_denoise_layout(config, layout, key=f"{key} ({name})")
+
+    def tokens_per_frame(self, model: nn.Module, latents: torch.Tensor) -> int:
+        """Tokens of one latent frame of ``latents`` ``(B, C, t, h, w)`` in ``model``'s sequence."""
+        patch = cast(Any, model).config.patch_size
+        p_h, p_w = patch[1:] if isinstance(patch, list | tuple) else (patch, patch)
+        return (latents.shape[3] // p_h) * (latents.shape[4] // p_w)
 
     @classmethod
     def image_argument(cls) -> str | None:
@@ -340,21 +380,44 @@ class DenoiseLoopStage(_FamilyStage):
         # A private scheduler: schedulers are stateful (step index, multistep history).
         scheduler = copy.deepcopy(fam.pipe.scheduler)
         timesteps = fam.set_timesteps(scheduler, call, latents, state)
+        par = self.parallel
+        branches = par.branches(guided) if par is not None else ((COND, UNCOND) if guided else (COND,))
+        conditions = {COND: cond, UNCOND: uncond}
+        frames = latents.shape[2] if par is not None else 0
         for i, t in enumerate(tqdm(timesteps, desc=self.name, disable=not options.get("progress", False), leave=False)):
             state["step"] = i
             component, scale = fam.model_for(i, t, call, state)
             model = experts[component]
-            # each branch in the model's cache context, as the pipelines call it (diffusers' step
-            # caches keep one state per branch)
-            with _cache_context(model, "cond"):
-                pred = fam.predict(model, latents, t, cond, call, state)
-            if uncond is not None:
-                with _cache_context(model, "uncond"):
-                    pred_u = fam.predict(model, latents, t, uncond, call, state)
-                pred = fam.guide(pred, pred_u, scale, call, state)
+            x, local_state = latents, state
+            if par is not None:
+                x = par.local(latents)
+                local_state = state | {k: par.local(state[k]) for k in fam.sequence_state if state.get(k) is not None}
+            preds: dict[str, torch.Tensor] = {}
+            tokens = par.tokens(frames, fam.tokens_per_frame(model, latents)) if par is not None else None
+            with tokens or contextlib.nullcontext():
+                for branch in branches:
+                    # each branch in the model's cache context, as the pipelines call it (diffusers'
+                    # step caches keep one state per branch)
+                    with _cache_context(model, branch):
+                        preds[branch] = fam.predict(model, x, t, conditions[branch] or {}, call, local_state)
+            if par is not None:
+                preds = par.gather(preds, frames, guided)
+            pred = fam.guide(preds[COND], preds[UNCOND], scale, call, state) if guided else preds[COND]
             latents = fam.step(scheduler, pred, t, latents, state)
         extras = {p: state[p] for p in fam.decode_ports if state.get(p) is not None}
         return {"latents": fam.finish(latents, call, state)} | extras
+
+    parallel: DenoiseGroup | None = None
+
+    def parallelize(self, group: DenoiseGroup) -> None:
+        """Denoise each request over ``group``'s ranks (:mod:`mmpipe.parallel.denoise`)."""
+        fam = self.family
+        models = {n: m.config for n in fam.denoise_components if (m := getattr(fam.pipe, n, None)) is not None}
+        fam.check_parallel(group.layout, fam.pipe.config, models, key=f"stage {self.name!r}")
+        if group.state is not None:
+            for model in cast(Any, self.module).values():
+                fam.apply_sequence_hooks(model, group.state)
+        self.parallel = group
 
 
 class DecodeStage(_FamilyStage):
@@ -486,6 +549,19 @@ def check_family_dir(path: str | Path, *, key: str = "pipeline") -> Path:
         if not component.startswith("_") and isinstance(entry, list) and entry != [None, None]:
             check_component(root, component, where)
     return root
+
+
+def check_parallel_dir(root: Path, layout: DenoiseLayout, *, key: str) -> None:
+    """:meth:`Family.check_parallel` for the pipeline directory ``root`` from its config files alone
+    (nothing is loaded: it runs before any worker starts)."""
+    index = read_model_index(root, str(root))
+    fam = family_class(str(index.get("_class_name")))
+    models: dict[str, Any] = {}
+    for name in fam.denoise_components:
+        path = root / name / "config.json"
+        if isinstance(index.get(name), list) and index[name][0] is not None and path.is_file():
+            models[name] = SimpleNamespace(**json.loads(path.read_text()))
+    fam.check_parallel(layout, index, models, key=key)
 
 
 def family_class(pipeline_class: str) -> type[Family]:

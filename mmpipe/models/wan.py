@@ -58,6 +58,7 @@ from mmpipe.models.pipeline_graph import (
     read_model_index,
 )
 from mmpipe.models.shapes_vae import load_shapes_vae
+from mmpipe.parallel.modules import SequenceState
 from mmpipe.stages import (
     CausalLMTextEncoderStage,
     DenoiseStage,
@@ -67,6 +68,7 @@ from mmpipe.stages import (
     WanVAEDecodeStage,
     WanVAEEncodeStage,
 )
+from mmpipe.stages.dit import wan_sequence_hooks
 from mmpipe.stages.sampler import guidance_on
 
 logger = logging.getLogger(__name__)
@@ -268,6 +270,15 @@ class Wan22Family(Family):
 
     def _expert(self) -> Any:
         return self.pipe.transformer if self.pipe.transformer is not None else self.pipe.transformer_2
+
+    @classmethod
+    def sequence_parallel(cls, pipeline_config: Mapping[str, Any]) -> str | None:
+        if pipeline_config.get("expand_timesteps"):
+            return "Wan 2.2 TI2V's per-token timesteps (expand_timesteps) are not split over sequence-parallel ranks"
+        return None
+
+    def apply_sequence_hooks(self, model: nn.Module, state: SequenceState) -> None:
+        wan_sequence_hooks(model, state)
 
     def guided(self, call: Mapping[str, Any]) -> bool:
         return float(call["guidance_scale"]) > 1.0  # WanPipeline.do_classifier_free_guidance

@@ -51,6 +51,7 @@ class WanI2VFamily(Wan22Family):
     text_components = ("text_encoder", "image_encoder")
     denoise_components = ("transformer", "transformer_2")
     condition_ports: ClassVar[tuple[str, ...]] = ("prompt_embeds", "image_embeds")
+    sequence_state = ("condition",)  # the first frame's latents, concatenated to the latents' channels
 
     def __init__(self, pipe: Any) -> None:
         super().__init__(pipe)

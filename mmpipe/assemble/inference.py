@@ -1,0 +1,142 @@
+"""Config -> where one request's stages run in ``mmpipe generate nproc=N placement=...``.
+
+``placement={text: [0], denoise: {ranks: [0, 1, 2, 3], ulysses: 2, cfg: 2}, decode: [0]}``: the
+prompt is encoded on one rank and broadcast; the denoiser runs over a group of ``cfg x ring x
+ulysses`` ranks (:mod:`mmpipe.parallel.denoise`); the VAE decodes on one rank (broadcast to the
+rest) or over all the denoise ranks, split by latent frames (:mod:`mmpipe.parallel.vae`). Every
+check here runs before any worker starts and names the key it refuses; the checks that need the
+model's configuration (heads, patch size, the family's hooks) read its ``config.json`` files only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from mmpipe.models.pipeline_graph import check_parallel_dir
+from mmpipe.parallel.denoise import DenoiseLayout
+
+STAGES = ("text", "denoise", "decode")
+
+
+@dataclasses.dataclass(frozen=True)
+class InferencePlacement:
+    """Ranks of each stage of one request (``nproc`` processes in all)."""
+
+    nproc: int
+    text: int  # the rank that encodes the prompt
+    denoise: tuple[int, ...]  # row-major over (cfg, ring, ulysses)
+    layout: DenoiseLayout
+    decode: tuple[int, ...]  # one rank, or the denoise ranks (a frame-parallel decode)
+
+    def describe(self) -> str:
+        lay = self.layout
+        degrees = ", ".join(f"{k}={getattr(lay, k)}" for k in ("cfg", "ring", "ulysses") if getattr(lay, k) > 1)
+        return (
+            f"text on rank {self.text}; denoise on ranks {list(self.denoise)}"
+            f"{f' ({degrees})' if degrees else ''}; decode on rank{'s' if len(self.decode) > 1 else ''} "
+            f"{list(self.decode) if len(self.decode) > 1 else self.decode[0]}"
+        )
+
+
+def default_inference_placement(nproc: int, *, guided: bool) -> dict[str, Any]:
+    """What ``nproc`` ranks run without a placement: the two guidance branches on two halves of the
+    ranks when guidance is on (SGLang-Diffusion's finding: CFG parallelism beats sequence
+    parallelism for latency at equal degree; its exchange is one prediction per step), Ulysses over
+    the rest; text and decode on rank 0."""
+    cfg = 2 if guided and nproc % 2 == 0 else 1
+    return {"text": [0], "denoise": {"ranks": list(range(nproc)), "cfg": cfg, "ulysses": nproc // cfg}, "decode": [0]}
+
+
+def _ranks(key: str, value: Any, nproc: int) -> tuple[int, ...]:
+    values = [value] if isinstance(value, int) and not isinstance(value, bool) else value
+    if not isinstance(values, list | tuple) or not values or not all(isinstance(r, int) for r in values):
+        raise ValueError(f"{key}={value!r}: expected a rank or a list of ranks")
+    if len(set(values)) != len(values):
+        raise ValueError(f"{key}={value!r}: a rank is named twice")
+    bad = [r for r in values if not 0 <= r < nproc]
+    if bad:
+        raise ValueError(f"{key}={value!r}: rank {bad[0]} is not in 0..{nproc - 1} (nproc={nproc})")
+    return tuple(values)
+
+
+def parse_inference_placement(raw: Mapping[str, Any] | None, nproc: int, *, guided: bool) -> InferencePlacement:
+    """The placement of ``raw`` (``None``: :func:`default_inference_placement`) on ``nproc`` ranks."""
+    if nproc < 1:
+        raise ValueError(f"nproc={nproc}: must be >= 1")
+    raw = dict(default_inference_placement(nproc, guided=guided) if raw is None else raw)
+    unknown = sorted(set(raw) - set(STAGES))
+    if unknown:
+        raise ValueError(f"placement.{unknown[0]}: unknown stage; stages: {list(STAGES)}")
+    text = _ranks("placement.text", raw.get("text", [0]), nproc)
+    if len(text) != 1:
+        raise ValueError(f"placement.text={list(text)}: a request's prompt is encoded once; name one rank")
+    den = raw.get("denoise", list(range(nproc)))
+    den = {"ranks": den} if not isinstance(den, Mapping) else dict(den)
+    unknown = sorted(set(den) - {"ranks", "cfg", "ulysses", "ring", "dp"})
+    if unknown:
+        raise ValueError(f"placement.denoise.{unknown[0]}: unknown key; keys: ranks, cfg, ulysses, ring, dp")
+    ranks = _ranks("placement.denoise.ranks", den.get("ranks", list(range(nproc))), nproc)
+    degrees = {k: den.get(k, 1) for k in ("cfg", "ulysses", "ring", "dp")}
+    for k, v in degrees.items():
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"placement.denoise.{k}={v!r}: expected a positive integer")
+    if degrees["dp"] != 1:
+        raise ValueError(
+            f"placement.denoise.dp={degrees['dp']}: one request has one replica in mmpipe generate "
+            "(data-parallel replicas serve several requests: mmpipe serve)"
+        )
+    try:
+        layout = DenoiseLayout(cfg=degrees["cfg"], ulysses=degrees["ulysses"], ring=degrees["ring"])
+    except ValueError as err:
+        raise ValueError(f"placement.denoise.{err}") from None
+    if "ranks" in den and layout.size == 1 and len(ranks) > 1 and not any(k in den for k in ("cfg", "ulysses", "ring")):
+        raise ValueError(
+            f"placement.denoise.ranks={list(ranks)}: say how the ranks split the request "
+            "(cfg: 2 for the guidance branches, ulysses / ring: sequence-parallel degrees)"
+        )
+    if layout.size != len(ranks):
+        raise ValueError(
+            f"placement.denoise: cfg={layout.cfg} x ring={layout.ring} x ulysses={layout.ulysses} = "
+            f"{layout.size} ranks, but ranks={list(ranks)} names {len(ranks)}"
+        )
+    if layout.cfg == 2 and not guided:
+        raise ValueError(
+            "placement.denoise.cfg=2 runs the two guidance branches on different ranks, but the request's "
+            "guidance is off (guidance <= 1): use cfg=1"
+        )
+    decode = _ranks("placement.decode", raw.get("decode", [text[0]]), nproc)
+    if len(decode) > 1 and sorted(decode) != sorted(ranks):
+        raise ValueError(
+            f"placement.decode={list(decode)}: a parallel decode runs over the denoise ranks {list(ranks)}; "
+            "or name one rank"
+        )
+    idle = sorted(set(range(nproc)) - {text[0], *ranks, *decode})
+    if idle:
+        raise ValueError(f"placement: rank {idle[0]} of nproc={nproc} runs no stage")
+    return InferencePlacement(nproc, text[0], ranks, layout, decode)
+
+
+def check_placement_for_model(placement: InferencePlacement, root: Path, latent_frames: int | None) -> None:
+    """The model-dependent checks, from the pipeline directory's config files only: the family's
+    denoiser can run the layout (heads, whole-frame patches, hooks) and every sequence-parallel
+    rank gets a latent frame."""
+    layout = placement.layout
+    if latent_frames is not None:
+        layout.check_frames(latent_frames, key="placement.denoise")
+    check_parallel_dir(root, layout, key="placement.denoise")
+
+
+def latent_frames_of(root: Path, num_frames: int) -> int | None:
+    """Latent frames of a ``num_frames`` video under the directory's VAE (``None``: an image VAE)."""
+    path = root / "vae" / "config.json"
+    if not path.is_file():
+        return None
+    cfg = json.loads(path.read_text())
+    scale = cfg.get("scale_factor_temporal") or cfg.get("temporal_compression_ratio")
+    if scale is None:
+        return None
+    return (max(num_frames, 1) - 1) // int(scale) + 1
