@@ -1,8 +1,8 @@
 """Architecture-only training graphs of full-size presets (``configs/model/wan14b_t2v.yaml``,
 ``hunyuan_t2v``, ``u2g_full``, ...): each stage's module exists as a config only (``model.arch``);
 the cost model instantiates it on the meta device, and asking one for weights is a clear error.
-The stages and ports are those of the trainable graphs of :mod:`mmpipe.models.wan` and
-:mod:`mmpipe.models.u2g`."""
+The stages and ports are those of the trainable graphs of :mod:`mmpipe.models.wan`,
+:mod:`mmpipe.models.ltx`, :mod:`mmpipe.models.cogvideox` and :mod:`mmpipe.models.u2g`."""
 
 from __future__ import annotations
 
@@ -11,9 +11,12 @@ from typing import Any
 
 import torch
 from diffusers import (
+    AutoencoderKLCogVideoX,
     AutoencoderKLHunyuanVideo,
     AutoencoderKLLTXVideo,
     AutoencoderKLWan,
+    CogVideoXDPMScheduler,
+    CogVideoXTransformer3DModel,
     HunyuanVideoTransformer3DModel,
     LTXVideoTransformer3DModel,
     WanTransformer3DModel,
@@ -23,10 +26,22 @@ from transformers import AutoConfig
 
 from mmpipe.config import ModelConfig
 from mmpipe.graph import Graph, TensorSpec
+from mmpipe.models.cogvideox import (
+    COGVIDEOX_SCHEDULER_CONFIG,
+    COGVIDEOX_TRAIN_EDGES,
+    check_cogvideox_text_len,
+    cogvideox_vae_spatial_scale,
+)
 from mmpipe.models.ltx import LTX_TRAIN_EDGES, ltx_vae_compression
 from mmpipe.models.u2g import U2G_TRAIN_EDGES
 from mmpipe.models.wan import T2V_TRAIN_EDGES, build_word_tokenizer
-from mmpipe.stages import WanDiTFlowMatchingStage, WanVAEEncodeStage
+from mmpipe.stages import (
+    CogVideoXDiTStage,
+    CogVideoXT5TextEncoderStage,
+    CogVideoXVAEEncodeStage,
+    WanDiTFlowMatchingStage,
+    WanVAEEncodeStage,
+)
 from mmpipe.stages._source import ModuleSource
 from mmpipe.stages.dit import HunyuanVideoDiTFlowMatchingStage, LTXDiTFlowMatchingStage
 from mmpipe.stages.multimodal import ConnectorConfig, ConnectorStage, MultimodalLLMStage, VisionEncoderStage
@@ -37,10 +52,18 @@ _DIFFUSERS = {
     ("vae", "wan"): AutoencoderKLWan,
     ("vae", "hunyuan"): AutoencoderKLHunyuanVideo,
     ("vae", "ltx"): AutoencoderKLLTXVideo,
+    ("vae", "cogvideox"): AutoencoderKLCogVideoX,
     ("dit", "wan"): WanTransformer3DModel,
     ("dit", "hunyuan"): HunyuanVideoTransformer3DModel,
     ("dit", "ltx"): LTXVideoTransformer3DModel,
+    ("dit", "cogvideox"): CogVideoXTransformer3DModel,
 }
+
+#: DiTs that take one VAE's latents only (their family's), and the name of that family
+_PAIRED = (
+    (AutoencoderKLLTXVideo, LTXVideoTransformer3DModel, "LTX"),
+    (AutoencoderKLCogVideoX, CogVideoXTransformer3DModel, "CogVideoX"),
+)
 
 
 def build_arch_graph(model: ModelConfig) -> Graph:
@@ -57,10 +80,17 @@ def build_arch_graph(model: ModelConfig) -> Graph:
 
     vae_cls = _family("vae", arch["vae"], model.name)
     dit_cls = _family("dit", arch["dit"], model.name)
-    if (vae_cls is AutoencoderKLLTXVideo) != (dit_cls is LTXVideoTransformer3DModel):
-        raise ValueError(f"model {model.name!r}: the LTX DiT needs the LTX VAE (model.arch.vae.class / dit.class)")
+    for paired_vae, paired_dit, family in _PAIRED:
+        if (vae_cls is paired_vae) != (dit_cls is paired_dit):
+            raise ValueError(
+                f"model {model.name!r}: the {family} DiT and the {family} VAE go together; got "
+                f"model.arch.vae.class={arch['vae'].get('class', 'wan')!r}, "
+                f"model.arch.dit.class={arch['dit'].get('class', 'wan')!r}"
+            )
     if dit_cls is LTXVideoTransformer3DModel:
         return _ltx_arch_graph(model, source)
+    if dit_cls is CogVideoXTransformer3DModel:
+        return _cogvideox_arch_graph(model, source)
     vae = (HunyuanVAEEncodeStage if vae_cls is AutoencoderKLHunyuanVideo else WanVAEEncodeStage)("vae", source("vae"))
     dit_stage = (
         HunyuanVideoDiTFlowMatchingStage if dit_cls is HunyuanVideoTransformer3DModel else WanDiTFlowMatchingStage
@@ -131,6 +161,32 @@ def _ltx_arch_graph(model: ModelConfig, source: Callable[[str], ModuleSource]) -
     compression = ltx_vae_compression(dict(vae_src.config))
     g.add_stage(LTXDiTFlowMatchingStage("dit", source("dit"), vae_compression=compression, shift=model.flow_shift))
     for src, dst in LTX_TRAIN_EDGES:
+        g.connect(src, dst)
+    g.validate()
+    return g
+
+
+def _cogvideox_arch_graph(model: ModelConfig, source: Callable[[str], ModuleSource]) -> Graph:
+    """CogVideoX's training graph (:func:`~mmpipe.models.cogvideox.build_cogvideox_training_graph`'s
+    stages and edges) on configs only, trained on CogVideoX-5B's scheduler (``model.flow_shift`` is
+    not used: CogVideoX is a v-prediction DDPM)."""
+    if model.kind != "t2v" or model.boundary_ratio is not None:
+        raise ValueError(f"model {model.name!r}: a CogVideoX preset is one-DiT text-to-video")
+    vae_src, dit_src = source("vae"), source("dit")
+    check_cogvideox_text_len(model.text_len, dit_src.config)
+    # CogVideoX-5B's scheduler_config.json has snr_shift_scale 1.0 (2B's: 3.0); the costs the
+    # planner counts do not depend on it, only the trained noise levels do.
+    scheduler = CogVideoXDPMScheduler(snr_shift_scale=1.0, **COGVIDEOX_SCHEDULER_CONFIG)
+    g = Graph(f"{model.name}_train")
+    g.add_input("input_ids", TensorSpec(("B", model.text_len), torch.int64))
+    g.add_input("attention_mask", TensorSpec(("B", model.text_len), torch.int64))
+    g.add_input("video", TensorSpec(("B", 3, "T", "H", "W"), torch.float32))
+    tokenizer = build_word_tokenizer(["a"])
+    g.add_stage(CogVideoXT5TextEncoderStage("text", source("text"), tokenizer, max_length=model.text_len))
+    g.add_stage(CogVideoXVAEEncodeStage("vae", vae_src))
+    spatial = cogvideox_vae_spatial_scale(vae_src.config)
+    g.add_stage(CogVideoXDiTStage("dit", dit_src, scheduler=scheduler, vae_scale_factor_spatial=spatial))
+    for src, dst in COGVIDEOX_TRAIN_EDGES:
         g.connect(src, dst)
     g.validate()
     return g

@@ -220,11 +220,42 @@ COGVIDEOX_TRAIN_EDGES = (
     ("vae.latents", "dit.latents"),
 )
 
+#: the released checkpoints' scheduler configs, but for ``snr_shift_scale`` (CogVideoX-2b 3.0,
+#: -5b and 1.5 1.0): v-prediction, zero-SNR betas, trailing timesteps
+COGVIDEOX_SCHEDULER_CONFIG: dict[str, Any] = {
+    "beta_schedule": "scaled_linear",
+    "beta_start": 0.00085,
+    "beta_end": 0.012,
+    "clip_sample": False,
+    "prediction_type": "v_prediction",
+    "rescale_betas_zero_snr": True,
+    "set_alpha_to_one": True,
+    "steps_offset": 0,
+    "timestep_spacing": "trailing",
+}
+
 #: the schedulers a CogVideoX pipeline directory may name (both share ``alphas_cumprod``'s recipe)
 COGVIDEOX_SCHEDULERS: dict[str, Any] = {
     "CogVideoXDDIMScheduler": CogVideoXDDIMScheduler,
     "CogVideoXDPMScheduler": CogVideoXDPMScheduler,
 }
+
+
+def check_cogvideox_text_len(text_len: int, dit_config: Mapping[str, Any]) -> None:
+    """A ``ValueError`` unless ``text_len`` (``model.text_len``) is the transformer's
+    ``max_text_seq_length``, the length prompts are padded to."""
+    max_text = int(dit_config.get("max_text_seq_length", 226))
+    if text_len != max_text:
+        raise ValueError(
+            f"model.text_len={text_len}: a CogVideoXPipeline's prompts are padded to the transformer's "
+            f"max_text_seq_length={max_text}; set model.text_len={max_text}"
+        )
+
+
+def cogvideox_vae_spatial_scale(vae_config: Mapping[str, Any]) -> int:
+    """The spatial compression of an ``AutoencoderKLCogVideoX`` config, as ``CogVideoXPipeline``
+    computes its ``vae_scale_factor_spatial``."""
+    return int(2 ** (len(vae_config.get("block_out_channels", (128, 256, 256, 512))) - 1))
 
 
 def build_cogvideox_training_graph(pipeline_dir: str | Path, *, text_len: int) -> Graph:
@@ -237,13 +268,7 @@ def build_cogvideox_training_graph(pipeline_dir: str | Path, *, text_len: int) -
     released checkpoints): the pipeline pads prompts to it, the DiT's sin-cos positions cover exactly
     that many text tokens, and generating from the trained run pads to ``model.text_len``."""
     root = Path(pipeline_dir)
-    dit_config = CogVideoXTransformer3DModel.load_config(root / "transformer")
-    max_text = int(dit_config.get("max_text_seq_length", 226))
-    if text_len != max_text:
-        raise ValueError(
-            f"model.text_len={text_len}: a CogVideoXPipeline's prompts are padded to the transformer's "
-            f"max_text_seq_length={max_text}; set model.text_len={max_text}"
-        )
+    check_cogvideox_text_len(text_len, CogVideoXTransformer3DModel.load_config(root / "transformer"))
     sched_name = CogVideoXDDIMScheduler.load_config(root / "scheduler").get("_class_name")
     if sched_name not in COGVIDEOX_SCHEDULERS:
         raise ValueError(
@@ -251,8 +276,7 @@ def build_cogvideox_training_graph(pipeline_dir: str | Path, *, text_len: int) -
             f"(choose from {sorted(COGVIDEOX_SCHEDULERS)})"
         )
     scheduler = COGVIDEOX_SCHEDULERS[sched_name].from_pretrained(root / "scheduler")
-    vae_config = AutoencoderKLCogVideoX.load_config(root / "vae")
-    vae_spatial = 2 ** (len(vae_config.get("block_out_channels", (128, 256, 256, 512))) - 1)  # the pipeline's
+    vae_spatial = cogvideox_vae_spatial_scale(AutoencoderKLCogVideoX.load_config(root / "vae"))
     tokenizer = AutoTokenizer.from_pretrained(root / "tokenizer")
     g = Graph("cogvideox_train")
     g.add_input("input_ids", TensorSpec(("B", text_len), torch.int64))
@@ -332,22 +356,10 @@ def build_tiny_cogvideox_pipeline(
         )
     for module in (text_encoder, vae, transformer):
         cast(nn.Module, module).eval()  # as from_pretrained returns them
-    # the checkpoints' scheduler configs: v-prediction, zero-SNR betas, trailing timesteps
-    common: dict[str, Any] = {
-        "beta_schedule": "scaled_linear",
-        "beta_start": 0.00085,
-        "beta_end": 0.012,
-        "clip_sample": False,
-        "prediction_type": "v_prediction",
-        "rescale_betas_zero_snr": True,
-        "set_alpha_to_one": True,
-        "steps_offset": 0,
-        "timestep_spacing": "trailing",
-    }
     scheduler: Any = (
-        CogVideoXDDIMScheduler(snr_shift_scale=3.0, **common)
+        CogVideoXDDIMScheduler(snr_shift_scale=3.0, **COGVIDEOX_SCHEDULER_CONFIG)
         if variant == "2b"
-        else CogVideoXDPMScheduler(snr_shift_scale=1.0, **common)
+        else CogVideoXDPMScheduler(snr_shift_scale=1.0, **COGVIDEOX_SCHEDULER_CONFIG)
     )
     return CogVideoXPipeline(
         tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer, scheduler=scheduler

@@ -146,6 +146,7 @@ def test_full_size_wan_dit_costs_seconds_and_no_memory() -> None:
         ("wan22_a14b_t2v", {"text": 5.68, "dit": 14.29, "dit_2": 14.29}),  # two 14B experts
         ("hunyuan_t2v", {"text": 7.07, "dit": 12.83}),
         ("ltx_2b_t2v", {"text": 4.76, "dit": 1.92}),  # T5-v1.1-XXL encoder, the LTX-Video 2B DiT
+        ("cogvideox_5b_t2v", {"text": 4.76, "dit": 5.57}),  # T5-v1.1-XXL encoder, the CogVideoX-5B DiT
         ("u2g_full", {"vision": 0.43, "llm": 7.07, "dit": 14.29}),
     ],
 )
@@ -158,9 +159,26 @@ def test_full_size_presets_cost_on_meta(preset: str, expected: dict[str, float])
     for stage, billions in expected.items():
         assert costs[stage].params / 1e9 == pytest.approx(billions, rel=0.01)
     dit = costs["dit"]
-    # LTX's VAE compresses 32x32x8: 768x512 x 121 frames is 16 x 16 x 24 latent tokens (patch 1)
-    assert dit.tokens == 6_144 if preset == "ltx_2b_t2v" else dit.tokens >= 75_600
-    assert dit.backward_flops > dit.forward_flops > (1e13 if preset == "ltx_2b_t2v" else 1e15)
+    # LTX's VAE compresses 32x32x8: 768x512 x 121 frames is 16 x 16 x 24 latent tokens (patch 1);
+    # CogVideoX's 8x8x4: 720x480 x 49 frames is 13 x 60 x 90 latents, 13 x 30 x 45 tokens (patch 2)
+    small = {"ltx_2b_t2v": 6_144, "cogvideox_5b_t2v": 17_550}
+    assert dit.tokens == small[preset] if preset in small else dit.tokens >= 75_600
+    assert dit.backward_flops > dit.forward_flops > (1e13 if preset in small else 1e15)
+    if preset == "cogvideox_5b_t2v":  # one full-attention sequence: 226 text tokens, then the video's
+        seq, width, layers = 226 + 17_550, 48 * 64, 42
+        assert dit.attention_flops == pytest.approx(4 * seq**2 * width * layers, rel=0.01)
     assert all(c.forward_flops > 0 for c in costs.values())
     with pytest.raises(ValueError, match="architecture-only preset"):
         graph.stages["dit"].module  # noqa: B018  (no weights exist)
+
+
+def test_cogvideox_preset_refuses_a_foreign_vae_and_text_len() -> None:
+    from mmpipe.config import compose_config, from_dict
+    from mmpipe.models.arch import build_arch_graph
+
+    raw = compose_config("plan", ["model=cogvideox_5b_t2v"])["model"]
+    wan_vae = {**raw, "arch": {**raw["arch"], "vae": {"class": "wan"}}}
+    with pytest.raises(ValueError, match="model.arch.vae.class='wan', model.arch.dit.class='cogvideox'"):
+        build_arch_graph(from_dict(ModelConfig, wan_vae))
+    with pytest.raises(ValueError, match="max_text_seq_length=226; set model.text_len=226"):
+        build_arch_graph(from_dict(ModelConfig, {**raw, "text_len": 512}))
