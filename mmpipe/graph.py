@@ -292,11 +292,16 @@ class Graph:
 
     # ---- single-process execution -------------------------------------------------------------
     def run(
-        self, inputs: Mapping[str, Any], options: Mapping[str, Mapping[str, Any]] | None = None
+        self,
+        inputs: Mapping[str, Any],
+        options: Mapping[str, Mapping[str, Any]] | None = None,
+        *,
+        until: str | None = None,
     ) -> dict[str, dict[str, Any]]:
         """Run every stage once in topological order; returns each stage's output ports.
 
-        ``options`` maps a stage name to keyword options of its ``forward`` (a seed, a step count).
+        ``options`` maps a stage name to keyword options of its ``forward`` (a seed, a step count);
+        ``until``: stop after that stage (what it needs has run before it).
         """
         missing = sorted(k for k, spec in self.input_specs.items() if spec.required and k not in inputs)
         if missing:
@@ -314,6 +319,8 @@ class Graph:
             out = host(stage, port_values, stage_options) if host is not None else stage(port_values, **stage_options)
             _check_ports(name, "output", stage.outputs, out)
             values[name] = out
+            if name == until:
+                break
         del values[INPUT]
         return values
 

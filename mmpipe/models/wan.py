@@ -495,9 +495,10 @@ class T2VGraph(Graph):
                 "progress": progress,
             }
         }
+        latent = call["output_type"] == "latent"  # as WanPipeline: no decode
         with torch.no_grad():
-            latents_or_video = self.run(inputs, options)
-        if call["output_type"] == "latent":
+            latents_or_video = self.run(inputs, options, until="denoise" if latent else None)
+        if latent:
             return latents_or_video["denoise"]["latents"]
         return self.video_processor.postprocess_video(
             latents_or_video["decode"]["video"], output_type=call["output_type"]
