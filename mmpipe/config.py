@@ -320,6 +320,29 @@ class RunConfig:
             )
 
 
+#: ``cache.policy`` values (:class:`mmpipe.stages.cache.CachePolicy`)
+CACHE_POLICIES = ("none", "first_block", "teacache", "mag")
+
+
+@dataclasses.dataclass(kw_only=True)
+class StepCacheConfig:
+    """``cache.*`` of ``generate`` / ``serve``: which step cache the denoiser runs with
+    (:mod:`mmpipe.stages.cache`): ``none``, ``first_block`` (diffusers' First Block Cache),
+    ``teacache`` (TeaCache, published fits where the architecture matches) or ``mag`` (diffusers'
+    MagCache; published ratios for Wan 2.1 1.3B / 14B and FLUX.1, else measured on the first request
+    of each step count, which runs uncached). ``threshold``: None for the policy's default."""
+
+    policy: str = "none"
+    threshold: float | None = None
+    mag_ratios: list[float] | None = None  # MagCache's per-step ratios for this checkpoint
+
+    def __post_init__(self) -> None:
+        if self.policy not in CACHE_POLICIES:
+            raise ValueError(f"cache.policy={self.policy!r}: expected one of {list(CACHE_POLICIES)}")
+        if self.threshold is not None and not self.threshold > 0:
+            raise ValueError(f"cache.threshold={self.threshold!r}: expected a number > 0")
+
+
 @dataclasses.dataclass(kw_only=True)
 class GenerateConfig:
     """Root config of ``mmpipe generate``: a trained run directory (``ckpt``) or a local diffusers
@@ -345,6 +368,8 @@ class GenerateConfig:
     nproc: int = 1
     placement: dict[str, Any] | None = None
     threads: int = 0  # torch threads per rank; 0: the machine's cores / nproc
+    cache: StepCacheConfig = dataclasses.field(default_factory=StepCacheConfig)
+    compile: bool = False  # torch.compile the denoiser's repeated blocks (regional compilation)
 
     def __post_init__(self) -> None:
         if self.nproc < 1 or self.threads < 0:

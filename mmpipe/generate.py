@@ -25,15 +25,17 @@ from mmpipe.assemble.inference import (
     latent_frames_of,
     parse_inference_placement,
 )
-from mmpipe.config import GenerateConfig
+from mmpipe.config import GenerateConfig, StepCacheConfig
 from mmpipe.data import frames_to_uint8, write_gif, write_mp4, write_png
 from mmpipe.devices import DeviceType, resolve_device
 from mmpipe.models.loading import from_diffusers
 from mmpipe.models.pipeline_graph import PipelineGraph, check_family_dir
 from mmpipe.report.recording import record_generation
 from mmpipe.rundir import load_run_config, pipeline_dir
+from mmpipe.runtime.executor import compile_blocks
 from mmpipe.runtime.inference import launch_ranks, place_inference_graph
 from mmpipe.runtime.trained import check_trained_run, load_trained_graph
+from mmpipe.stages.cache import StepCache
 from mmpipe.stages.sampler import guidance_on
 
 logger = logging.getLogger(__name__)
@@ -47,7 +49,9 @@ def generate(cfg: GenerateConfig) -> dict[str, Path]:
     placed by ``cfg.placement`` (checked, with the model's config files, before any rank starts)."""
     device = resolve_device(cfg.device)  # device=cuda without a GPU: refused before anything loads
     if cfg.nproc == 1 and cfg.placement is None:
-        return _render(*_prepare(cfg, device), cfg)
+        graph, call, out_dir, video = _prepare(cfg, device)
+        configure_denoiser(graph, cfg.cache, compile=cfg.compile)
+        return _render(graph, call, out_dir, video, cfg)
     if device is not DeviceType.CPU:
         raise ValueError(
             f"nproc={cfg.nproc} / placement: a request over several ranks runs on CPU ranks (gloo) today; "
@@ -56,7 +60,9 @@ def generate(cfg: GenerateConfig) -> dict[str, Path]:
     placement = parse_inference_placement(cfg.placement, cfg.nproc, guided=guidance_on(cfg.guidance))
     root = check_family_dir(cfg.pipeline) if cfg.pipeline is not None else _checked_run(cfg)[1]
     frames = cfg.frames or (load_run_config(Path(cfg.ckpt)).data.frames if cfg.ckpt else None)
-    check_placement_for_model(placement, root, latent_frames_of(root, frames) if frames else None)
+    check_placement_for_model(
+        placement, root, latent_frames_of(root, frames) if frames else None, cache_policy=cfg.cache.policy
+    )
     logger.info("generate over %d ranks: %s", cfg.nproc, placement.describe())
     results = launch_ranks(_generate_rank, cfg.nproc, cfg, placement)
     written: dict[str, Path] = results[0]
@@ -68,11 +74,28 @@ def _generate_rank(rank: int, world: int, cfg: GenerateConfig, placement: Infere
     torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // world))
     graph, call, out_dir, video = _prepare(cfg, DeviceType.CPU)
     place_inference_graph(graph, placement)
+    configure_denoiser(graph, cfg.cache, compile=cfg.compile)
     if rank == 0:
         return _render(graph, call, out_dir, video, cfg)
     with torch.no_grad():
         graph.generate(**call, seed=cfg.seed, output_type="np", progress=False)
     return None
+
+
+def configure_denoiser(graph: Any, cache: StepCacheConfig, *, compile: bool) -> None:
+    """The denoiser's step cache and regional compilation, applied after its parallel hooks (the
+    fixed order: sequence parallel -> cache -> compile)."""
+    denoise = graph.stages["denoise"]
+    if cache.policy != "none":
+        denoise.use_step_cache(StepCache(cache.policy, cache.threshold, cache.mag_ratios))
+    if compile:
+        for model in _denoisers(denoise):
+            compile_blocks(model)
+
+
+def _denoisers(stage: Any) -> list[Any]:
+    module = stage.module
+    return list(module.values()) if isinstance(module, torch.nn.ModuleDict) else [module]
 
 
 def _checked_run(cfg: GenerateConfig) -> tuple[Path, Path]:

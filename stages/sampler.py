@@ -26,6 +26,7 @@ from mmpipe.graph import Capabilities, TensorSpec
 from mmpipe.parallel.denoise import COND, UNCOND, DenoiseGroup, DenoiseLayout
 from mmpipe.parallel.sequence import check_heads
 from mmpipe.stages._source import ModuleSource, SourcedStage
+from mmpipe.stages.cache import StepCache
 from mmpipe.stages.dit import wan_sequence_hooks
 
 
@@ -89,6 +90,13 @@ class DenoiseStage(SourcedStage):
         self.parallel = group
 
     parallel: DenoiseGroup | None = None
+    #: the step cache each request runs with (``cache.policy``; none by default)
+    step_cache: StepCache = StepCache()
+
+    def use_step_cache(self, cache: StepCache) -> None:
+        """Run every request with ``cache`` (checked against the DiT and the parallel layout now)."""
+        cache.check([self.module], sequence_parallel=self.parallel is not None and self.parallel.layout.sp > 1)
+        self.step_cache = cache
 
     def forward(
         self,
@@ -112,24 +120,35 @@ class DenoiseStage(SourcedStage):
         latents = inputs["latents"].float()
         scheduler = self.scheduler_for(num_inference_steps, latents.device)
         par = self.parallel
-        frames = latents.shape[2]
+        if par is not None:
+            par.layout.check_frames(latents.shape[2], key=f"stage {self.name!r}")
         p_h, p_w = self.source.config.patch_size[1:]
         per_frame = (latents.shape[3] // p_h) * (latents.shape[4] // p_w)
-        for t in tqdm(scheduler.timesteps, desc=self.name, disable=not progress, leave=False):
-            x = (par.local(latents) if par is not None else latents).to(dtype)
-            timestep_B = t.expand(latents.shape[0])
-            preds: dict[str, torch.Tensor] = {}
-            branches = par.branches(cfg_on) if par is not None else tuple(context)
-            with par.tokens(frames, per_frame) if par is not None else contextlib.nullcontext():
-                for branch in branches:
-                    preds[branch] = module(
-                        hidden_states=x, timestep=timestep_B, encoder_hidden_states=context[branch], return_dict=False
-                    )[0]
-            if par is not None:
-                preds = par.gather(preds, frames, cfg_on)
-            pred = guide(preds[COND], preds[UNCOND], guidance_scale) if cfg_on else preds[COND]
-            latents = scheduler.step(pred, t, latents, return_dict=False)[0]
-        return {"latents": latents}
+
+        def loop() -> torch.Tensor:
+            x0 = latents
+            for t in tqdm(scheduler.timesteps, desc=self.name, disable=not progress, leave=False):
+                x = (par.local(x0) if par is not None else x0).to(dtype)
+                timestep_B = t.expand(x0.shape[0])
+                preds: dict[str, torch.Tensor] = {}
+                branches = par.branches(cfg_on) if par is not None else tuple(context)
+                with par.tokens(x0.shape[2], per_frame) if par is not None else contextlib.nullcontext():
+                    for branch in branches:
+                        # each branch in the model's cache context (step caches keep one state per branch)
+                        with cast(Any, module).cache_context(branch):
+                            preds[branch] = module(
+                                hidden_states=x,
+                                timestep=timestep_B,
+                                encoder_hidden_states=context[branch],
+                                return_dict=False,
+                            )[0]
+                if par is not None:
+                    preds = par.gather(preds, x0.shape[2], cfg_on)
+                pred = guide(preds[COND], preds[UNCOND], guidance_scale) if cfg_on else preds[COND]
+                x0 = scheduler.step(pred, t, x0, return_dict=False)[0]
+            return x0
+
+        return {"latents": self.step_cache.run([module], num_inference_steps, loop)}
 
 
 def check_denoise_layout(config: Any, layout: DenoiseLayout, *, key: str) -> None:

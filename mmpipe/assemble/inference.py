@@ -120,14 +120,22 @@ def parse_inference_placement(raw: Mapping[str, Any] | None, nproc: int, *, guid
     return InferencePlacement(nproc, text[0], ranks, layout, decode)
 
 
-def check_placement_for_model(placement: InferencePlacement, root: Path, latent_frames: int | None) -> None:
+def check_placement_for_model(
+    placement: InferencePlacement, root: Path, latent_frames: int | None, *, cache_policy: str = "none"
+) -> None:
     """The model-dependent checks, from the pipeline directory's config files only: the family's
-    denoiser can run the layout (heads, whole-frame patches, hooks) and every sequence-parallel
-    rank gets a latent frame."""
+    denoiser can run the layout (heads, whole-frame patches, hooks), every sequence-parallel rank
+    gets a latent frame, and the step cache decides the same on every rank (see
+    :meth:`mmpipe.stages.cache.StepCache.check`, which the ranks repeat on the loaded models)."""
     layout = placement.layout
     if latent_frames is not None:
         layout.check_frames(latent_frames, key="placement.denoise")
     check_parallel_dir(root, layout, key="placement.denoise")
+    if layout.sp > 1 and cache_policy == "first_block":
+        raise ValueError(
+            f"cache.policy='first_block' with placement.denoise ulysses x ring = {layout.sp}: each rank would "
+            "decide from its own frames whether to skip; use cache.policy=mag or cfg parallelism"
+        )
 
 
 def latent_frames_of(root: Path, num_frames: int) -> int | None:

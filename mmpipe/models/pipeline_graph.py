@@ -40,6 +40,7 @@ from tqdm.auto import tqdm
 from mmpipe.graph import Graph, Stage, TensorSpec
 from mmpipe.parallel.denoise import COND, UNCOND, DenoiseGroup, DenoiseLayout
 from mmpipe.parallel.modules import SequenceState
+from mmpipe.stages.cache import StepCache
 from mmpipe.stages.sampler import check_denoise_layout
 
 #: diffusers pipeline class name -> "module:Family class" (imported on first use)
@@ -381,31 +382,51 @@ class DenoiseLoopStage(_FamilyStage):
         scheduler = copy.deepcopy(fam.pipe.scheduler)
         timesteps = fam.set_timesteps(scheduler, call, latents, state)
         par = self.parallel
+        if par is not None:
+            par.layout.check_frames(latents.shape[2], key=f"stage {self.name!r}")
         branches = par.branches(guided) if par is not None else ((COND, UNCOND) if guided else (COND,))
         conditions = {COND: cond, UNCOND: uncond}
         frames = latents.shape[2] if par is not None else 0
-        for i, t in enumerate(tqdm(timesteps, desc=self.name, disable=not options.get("progress", False), leave=False)):
-            state["step"] = i
-            component, scale = fam.model_for(i, t, call, state)
-            model = experts[component]
-            x, local_state = latents, state
-            if par is not None:
-                x = par.local(latents)
-                local_state = state | {k: par.local(state[k]) for k in fam.sequence_state if state.get(k) is not None}
-            preds: dict[str, torch.Tensor] = {}
-            tokens = par.tokens(frames, fam.tokens_per_frame(model, latents)) if par is not None else None
-            with tokens or contextlib.nullcontext():
-                for branch in branches:
-                    # each branch in the model's cache context, as the pipelines call it (diffusers'
-                    # step caches keep one state per branch)
-                    with _cache_context(model, branch):
-                        preds[branch] = fam.predict(model, x, t, conditions[branch] or {}, call, local_state)
-            if par is not None:
-                preds = par.gather(preds, frames, guided)
-            pred = fam.guide(preds[COND], preds[UNCOND], scale, call, state) if guided else preds[COND]
-            latents = fam.step(scheduler, pred, t, latents, state)
+
+        def loop() -> torch.Tensor:
+            x0 = latents
+            for i, t in enumerate(tqdm(timesteps, desc=self.name, disable=not options.get("progress"), leave=False)):
+                state["step"] = i
+                component, scale = fam.model_for(i, t, call, state)
+                model = experts[component]
+                x, local_state = x0, state
+                if par is not None:
+                    x = par.local(x0)
+                    local_state = state | {
+                        k: par.local(state[k]) for k in fam.sequence_state if state.get(k) is not None
+                    }
+                preds: dict[str, torch.Tensor] = {}
+                tokens = par.tokens(frames, fam.tokens_per_frame(model, x0)) if par is not None else None
+                with tokens or contextlib.nullcontext():
+                    for branch in branches:
+                        # each branch in the model's cache context, as the pipelines call it (diffusers'
+                        # step caches keep one state per branch)
+                        with _cache_context(model, branch):
+                            preds[branch] = fam.predict(model, x, t, conditions[branch] or {}, call, local_state)
+                if par is not None:
+                    preds = par.gather(preds, frames, guided)
+                pred = fam.guide(preds[COND], preds[UNCOND], scale, call, state) if guided else preds[COND]
+                x0 = fam.step(scheduler, pred, t, x0, state)
+            return x0
+
+        models = list(cast(Any, module).values())
+        latents = self.step_cache.run(models, len(timesteps), loop)
         extras = {p: state[p] for p in fam.decode_ports if state.get(p) is not None}
         return {"latents": fam.finish(latents, call, state)} | extras
+
+    #: the step cache each request runs with (``cache.policy``; none by default)
+    step_cache: StepCache = StepCache()
+
+    def use_step_cache(self, cache: StepCache) -> None:
+        """Run every request with ``cache`` (checked against the denoisers and the layout now)."""
+        sp = self.parallel is not None and self.parallel.layout.sp > 1
+        cache.check(list(cast(Any, self.module).values()), sequence_parallel=sp)
+        self.step_cache = cache
 
     parallel: DenoiseGroup | None = None
 
