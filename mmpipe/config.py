@@ -443,6 +443,8 @@ class ServeConfig:
     max_frames: int = 129
     max_steps: int = 100
     max_prompt_chars: int = 2000
+    cache: StepCacheConfig = dataclasses.field(default_factory=StepCacheConfig)  # whole-request replicas
+    compile: bool = False  # torch.compile the denoiser's repeated blocks (regional compilation)
 
     def __post_init__(self) -> None:
         _positive("serve", self, "max_batch", "max_queue", "keep_results", "timeout_s", "fps")
@@ -463,6 +465,10 @@ class ServeConfig:
         unknown = sorted(set(self.placement) - set(STAGE_NAMES_SERVE))
         if unknown:
             raise ValueError(f"placement.{unknown[0]}: unknown stage; stages: {list(STAGE_NAMES_SERVE)}")
+        if isinstance(self.placement.get("denoise"), dict):
+            # replicas of several ranks each ({ranks, cfg, ulysses, ring, dp}): the engine checks them
+            # against the model, and each replica runs text and decode on its first rank
+            return
         missing = [s for s in STAGE_NAMES_SERVE if s not in self.placement]
         if missing:
             raise ValueError(
@@ -487,28 +493,54 @@ class ServeConfig:
     def groups(self) -> int:
         """How many device groups (worker processes) the placement names (once it is resolved)."""
         assert self.placement is not None, "the serving engine resolves a missing placement for its device"
-        return 1 + max(g for groups in self.placement.values() for g in groups)
+        denoise = self.placement["denoise"]
+        ranks = denoise["ranks"] if isinstance(denoise, dict) else denoise
+        return 1 + max([*ranks, *(g for s, groups in self.placement.items() if s != "denoise" for g in groups)])
 
 
 @dataclasses.dataclass(kw_only=True)
 class PlanConfig:
-    """Root config of ``mmpipe plan``: a model preset on a cluster preset."""
+    """Root config of ``mmpipe plan``: a model preset on a cluster preset, planned for training
+    (``mode=train``) or for serving requests of the preset's video size (``mode=serve``)."""
 
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     cluster: dict[str, Any] = dataclasses.field(default_factory=lambda: {"name": "local"})  # a configs/cluster preset
+    mode: Literal["train", "serve"] = "train"
     nproc: int = 0  # cluster=local only: ranks (0: the machine's cores)
-    global_batch: int = 0  # samples per optimizer step; 0: one per device
-    micro_batches: int = 0  # 0: searched
+    global_batch: int = 0  # train: samples per optimizer step; 0: one per device
+    micro_batches: int = 0  # train: 0: searched
+    simulate: bool = True  # train: check the chosen plans with the discrete-event simulator
+    steps: int = 50  # serve: denoising steps of a request
+    guidance: float = 5.0  # serve: classifier-free guidance scale (> 1: two DiT forwards a step)
+    objective: Literal["throughput", "latency"] = "throughput"  # serve: most requests/s, or lowest latency
+    slo_s: float | None = None  # serve: a request's latency must not exceed it (seconds)
     calibration: str | None = None  # a calibration.json from `mmpipe profile`
     json: bool = False
-    simulate: bool = True  # check the chosen plans with the discrete-event simulator
 
     def __post_init__(self) -> None:
         if self.nproc < 0 or self.global_batch < 0 or self.micro_batches < 0:
             raise ValueError("nproc, global_batch and micro_batches must be >= 0")
         if self.calibration is not None and not Path(self.calibration).is_file():
             raise ValueError(f"calibration={self.calibration!r} is not a file")
+        _positive("plan", self, "steps")
+        if self.guidance < 0:
+            raise ValueError(f"guidance={self.guidance}: must be >= 0 (> 1 turns classifier-free guidance on)")
+        if self.slo_s is not None and not self.slo_s > 0:
+            raise ValueError(f"slo_s={self.slo_s}: must be positive (seconds)")
+        # a key of the other mode would be silently ignored
+        other = "serve" if self.mode == "train" else "train"
+        keys = (
+            ("steps", "guidance", "objective", "slo_s")
+            if other == "serve"
+            else ("global_batch", "micro_batches", "simulate")
+        )
+        fields = PlanConfig.__dataclass_fields__
+        for key in keys:
+            if getattr(self, key) != fields[key].default:
+                raise ValueError(
+                    f"{key}={getattr(self, key)!r} applies to mode={other} only (this plan is mode={self.mode})"
+                )
 
 
 @dataclasses.dataclass(kw_only=True)

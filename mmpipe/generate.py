@@ -25,17 +25,15 @@ from mmpipe.assemble.inference import (
     latent_frames_of,
     parse_inference_placement,
 )
-from mmpipe.config import GenerateConfig, StepCacheConfig
+from mmpipe.config import GenerateConfig
 from mmpipe.data import frames_to_uint8, write_gif, write_mp4, write_png
 from mmpipe.devices import DeviceType, resolve_device
 from mmpipe.models.loading import from_diffusers
 from mmpipe.models.pipeline_graph import PipelineGraph, check_family_dir
 from mmpipe.report.recording import record_generation
 from mmpipe.rundir import load_run_config, pipeline_dir
-from mmpipe.runtime.executor import compile_blocks
-from mmpipe.runtime.inference import launch_ranks, place_inference_graph
+from mmpipe.runtime.inference import configure_denoiser, launch_ranks, place_inference_graph
 from mmpipe.runtime.trained import check_trained_run, load_trained_graph
-from mmpipe.stages.cache import StepCache
 from mmpipe.stages.sampler import guidance_on
 
 logger = logging.getLogger(__name__)
@@ -65,37 +63,23 @@ def generate(cfg: GenerateConfig) -> dict[str, Path]:
     )
     logger.info("generate over %d ranks: %s", cfg.nproc, placement.describe())
     results = launch_ranks(_generate_rank, cfg.nproc, cfg, placement)
-    written: dict[str, Path] = results[0]
+    written: dict[str, Path] = results[placement.decode[0]]
     return written
 
 
 def _generate_rank(rank: int, world: int, cfg: GenerateConfig, placement: InferencePlacement) -> dict[str, Path] | None:
-    """One rank of a multi-process generation: every rank runs the graph; rank 0 writes the files."""
+    """One rank of a multi-process generation: every rank runs the graph; the (first) decode rank
+    writes the files."""
     torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // world))
     graph, call, out_dir, video = _prepare(cfg, DeviceType.CPU)
     place_inference_graph(graph, placement)
     configure_denoiser(graph, cfg.cache, compile=cfg.compile)
-    if rank == 0:
+    if rank == placement.decode[0]:  # the rank that decodes writes the files
         return _render(graph, call, out_dir, video, cfg)
+    output = "np" if rank in placement.decode else "latent"  # a rank without the decode stops before it
     with torch.no_grad():
-        graph.generate(**call, seed=cfg.seed, output_type="np", progress=False)
+        graph.generate(**call, seed=cfg.seed, output_type=output, progress=False)
     return None
-
-
-def configure_denoiser(graph: Any, cache: StepCacheConfig, *, compile: bool) -> None:
-    """The denoiser's step cache and regional compilation, applied after its parallel hooks (the
-    fixed order: sequence parallel -> cache -> compile)."""
-    denoise = graph.stages["denoise"]
-    if cache.policy != "none":
-        denoise.use_step_cache(StepCache(cache.policy, cache.threshold, cache.mag_ratios))
-    if compile:
-        for model in _denoisers(denoise):
-            compile_blocks(model)
-
-
-def _denoisers(stage: Any) -> list[Any]:
-    module = stage.module
-    return list(module.values()) if isinstance(module, torch.nn.ModuleDict) else [module]
 
 
 def _checked_run(cfg: GenerateConfig) -> tuple[Path, Path]:

@@ -75,34 +75,19 @@ def parse_inference_placement(raw: Mapping[str, Any] | None, nproc: int, *, guid
     if len(text) != 1:
         raise ValueError(f"placement.text={list(text)}: a request's prompt is encoded once; name one rank")
     den = raw.get("denoise", list(range(nproc)))
-    den = {"ranks": den} if not isinstance(den, Mapping) else dict(den)
-    unknown = sorted(set(den) - {"ranks", "cfg", "ulysses", "ring", "dp"})
-    if unknown:
-        raise ValueError(f"placement.denoise.{unknown[0]}: unknown key; keys: ranks, cfg, ulysses, ring, dp")
-    ranks = _ranks("placement.denoise.ranks", den.get("ranks", list(range(nproc))), nproc)
-    degrees = {k: den.get(k, 1) for k in ("cfg", "ulysses", "ring", "dp")}
-    for k, v in degrees.items():
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"placement.denoise.{k}={v!r}: expected a positive integer")
-    if degrees["dp"] != 1:
+    if not isinstance(den, Mapping):
+        den = {"ranks": den}
+        if len(_ranks("placement.denoise", den["ranks"], nproc)) > 1:
+            raise ValueError(
+                f"placement.denoise={den['ranks']}: say how the ranks split the request "
+                "(cfg: 2 for the guidance branches, ulysses / ring: sequence-parallel degrees)"
+            )
+    if den.get("dp", 1) != 1:
         raise ValueError(
-            f"placement.denoise.dp={degrees['dp']}: one request has one replica in mmpipe generate "
+            f"placement.denoise.dp={den['dp']!r}: one request has one replica in mmpipe generate "
             "(data-parallel replicas serve several requests: mmpipe serve)"
         )
-    try:
-        layout = DenoiseLayout(cfg=degrees["cfg"], ulysses=degrees["ulysses"], ring=degrees["ring"])
-    except ValueError as err:
-        raise ValueError(f"placement.denoise.{err}") from None
-    if "ranks" in den and layout.size == 1 and len(ranks) > 1 and not any(k in den for k in ("cfg", "ulysses", "ring")):
-        raise ValueError(
-            f"placement.denoise.ranks={list(ranks)}: say how the ranks split the request "
-            "(cfg: 2 for the guidance branches, ulysses / ring: sequence-parallel degrees)"
-        )
-    if layout.size != len(ranks):
-        raise ValueError(
-            f"placement.denoise: cfg={layout.cfg} x ring={layout.ring} x ulysses={layout.ulysses} = "
-            f"{layout.size} ranks, but ranks={list(ranks)} names {len(ranks)}"
-        )
+    layout, (ranks,) = parse_denoise_replicas(den, nproc)
     if layout.cfg == 2 and not guided:
         raise ValueError(
             "placement.denoise.cfg=2 runs the two guidance branches on different ranks, but the request's "
@@ -118,6 +103,34 @@ def parse_inference_placement(raw: Mapping[str, Any] | None, nproc: int, *, guid
     if idle:
         raise ValueError(f"placement: rank {idle[0]} of nproc={nproc} runs no stage")
     return InferencePlacement(nproc, text[0], ranks, layout, decode)
+
+
+def parse_denoise_replicas(
+    den: Mapping[str, Any], nproc: int | None = None
+) -> tuple[DenoiseLayout, list[tuple[int, ...]]]:
+    """``placement.denoise={ranks, cfg, ulysses, ring, dp}``: the layout of one replica and the
+    ranks of each of the ``dp`` replicas (consecutive runs of ``cfg x ring x ulysses`` ranks)."""
+    unknown = sorted(set(den) - {"ranks", "cfg", "ulysses", "ring", "dp"})
+    if unknown:
+        raise ValueError(f"placement.denoise.{unknown[0]}: unknown key; keys: ranks, cfg, ulysses, ring, dp")
+    if "ranks" not in den:
+        raise ValueError("placement.denoise.ranks is missing: the ranks (processes) that denoise")
+    ranks = _ranks("placement.denoise.ranks", den["ranks"], nproc if nproc is not None else 1 << 30)
+    degrees = {k: den.get(k, 1) for k in ("cfg", "ulysses", "ring", "dp")}
+    for k, v in degrees.items():
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"placement.denoise.{k}={v!r}: expected a positive integer")
+    try:
+        layout = DenoiseLayout(cfg=degrees["cfg"], ulysses=degrees["ulysses"], ring=degrees["ring"])
+    except ValueError as err:
+        raise ValueError(f"placement.denoise.{err}") from None
+    dp = degrees["dp"]
+    if layout.size * dp != len(ranks):
+        raise ValueError(
+            f"placement.denoise: dp={dp} x cfg={layout.cfg} x ring={layout.ring} x ulysses={layout.ulysses} = "
+            f"{layout.size * dp} ranks, but ranks={list(ranks)} names {len(ranks)}"
+        )
+    return layout, [ranks[i * layout.size : (i + 1) * layout.size] for i in range(dp)]
 
 
 def check_placement_for_model(

@@ -20,22 +20,26 @@ import torch
 import torch.distributed as dist
 
 from mmpipe.assemble.inference import InferencePlacement
+from mmpipe.config import StepCacheConfig
 from mmpipe.errors import WorkerFailure
 from mmpipe.graph import Graph, Stage
 from mmpipe.parallel.denoise import DenoiseGroup
 from mmpipe.runtime import procs
+from mmpipe.runtime.executor import compile_blocks
 from mmpipe.runtime.launch import free_port
+from mmpipe.stages.cache import StepCache
 
 
 class BroadcastHost:
-    """A stage computed on rank ``src`` alone, its outputs broadcast to every rank of the world."""
+    """A stage computed on (global) rank ``src`` alone, its outputs broadcast to the ranks of
+    ``group`` (the world by default)."""
 
-    def __init__(self, src: int) -> None:
-        self.src = src
+    def __init__(self, src: int, group: dist.ProcessGroup | None = None) -> None:
+        self.src, self.group = src, group
 
     def __call__(self, stage: Stage, inputs: Mapping[str, Any], options: dict[str, Any]) -> dict[str, Any]:
         out: list[dict[str, Any] | None] = [stage(inputs, **options) if dist.get_rank() == self.src else None]
-        dist.broadcast_object_list(out, src=self.src)
+        dist.broadcast_object_list(out, src=self.src, group=self.group)
         assert out[0] is not None
         return out[0]
 
@@ -57,7 +61,9 @@ class GroupHost:
 
 def place_inference_graph(graph: Graph, placement: InferencePlacement, *, device_type: str = "cpu") -> None:
     """Set up this rank's part of ``graph`` (``text``, ``denoise``, ``decode`` stages) for
-    ``placement``; collective over the world (every rank calls it, in the same order)."""
+    ``placement``; collective over the world (every rank calls it, in the same order). A rank
+    outside ``placement.decode`` then calls ``generate(..., output_type="latent")``: the decode is
+    not one of its stages, and nothing of it is sent there."""
     if placement.nproc == 1:
         return
     stages: Any = graph.stages
@@ -66,11 +72,34 @@ def place_inference_graph(graph: Graph, placement: InferencePlacement, *, device
         stages["denoise"].parallelize(group)
     graph.hosts["text"] = BroadcastHost(placement.text)
     graph.hosts["denoise"] = GroupHost(placement.denoise)
-    if len(placement.decode) == 1:
-        graph.hosts["decode"] = BroadcastHost(placement.decode[0])
-    else:
+    if len(placement.decode) > 1:
         stages["decode"].parallelize(group.group)
-        graph.hosts["decode"] = GroupHost(placement.decode)
+
+
+def place_replica(graph: Graph, group: DenoiseGroup) -> None:
+    """A serving replica of ``group``'s ranks running whole requests: the prompt encoded on its
+    first rank (the leader) and broadcast to the others, the denoiser over all of them; the leader
+    decodes (the others run ``generate(..., output_type="latent")``)."""
+    stages: Any = graph.stages
+    stages["denoise"].parallelize(group)
+    if len(group.ranks) > 1:
+        graph.hosts["text"] = BroadcastHost(group.ranks[0], group=group.group)
+
+
+def configure_denoiser(graph: Any, cache: StepCacheConfig, *, compile: bool) -> None:
+    """The denoiser's step cache and regional compilation, applied after its parallel hooks (the
+    fixed order: sequence parallel -> cache -> compile)."""
+    denoise = graph.stages["denoise"]
+    if cache.policy != "none":
+        denoise.use_step_cache(StepCache(cache.policy, cache.threshold, cache.mag_ratios))
+    if compile:
+        for model in _denoisers(denoise):
+            compile_blocks(model)
+
+
+def _denoisers(stage: Any) -> list[Any]:
+    module = stage.module
+    return list(module.values()) if isinstance(module, torch.nn.ModuleDict) else [module]
 
 
 # ---- local launch --------------------------------------------------------------------------------

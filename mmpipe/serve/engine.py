@@ -78,20 +78,29 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import yaml
 from PIL import Image
 
-from mmpipe.config import ServeConfig, to_dict
+from mmpipe.assemble.inference import (
+    InferencePlacement,
+    check_placement_for_model,
+    latent_frames_of,
+    parse_denoise_replicas,
+)
+from mmpipe.config import ServeConfig, StepCacheConfig, to_dict
 from mmpipe.data import caption_vocabulary, frames_to_uint8
 from mmpipe.devices import DeviceType, rank_device, resolve_device
 from mmpipe.errors import ServeStartError, cause, loading_errors
 from mmpipe.models.loading import from_diffusers
 from mmpipe.models.pipeline_graph import FAMILY_MODULES, PipelineGraph, check_family_dir, family_class
 from mmpipe.models.wan import check_pipeline_dir, is_wan21_t2v, save_tiny_wan_pipeline
+from mmpipe.parallel.denoise import DenoiseGroup, DenoiseLayout
 from mmpipe.report.recording import MemorySampler
 from mmpipe.rundir import load_run_config, pipeline_dir
 from mmpipe.runtime import procs
 from mmpipe.runtime.events import EventRecorder
+from mmpipe.runtime.inference import configure_denoiser, place_replica
 from mmpipe.runtime.launch import free_port
 from mmpipe.runtime.trained import check_trained_run, load_trained_graph
 from mmpipe.runtime.transport import HEADER_LEN, isend_tensors, nbytes, parse_header
@@ -167,12 +176,18 @@ class Engine:
         self.output = family_class(self.family).output if self.family else "video"
         #: whether requests may / must carry an input image (image-to-video families)
         self.image_input = family_class(self.family).image_argument() if self.family else None
+        #: replicas of several ranks running whole requests together (placement.denoise as a
+        #: mapping): each replica's ranks, and the layout of one
+        self.replicas: list[tuple[int, ...]] = []
+        self.layout: DenoiseLayout | None = None
         cfg = self._placed(cfg)
         self.cfg = cfg
+        self.world = max(cfg.groups, 1 + max((r for ranks in self.replicas for r in ranks), default=0))
         self.model_id = cfg.model_name
         self.metrics = metrics
         self._tmp: str | None = None
         self._spec = self._source_spec(cfg) | {"device": self.device.value}
+        self._check_whole_request(cfg)
         self.run_dir = Path(cfg.run_dir or f"runs/serve-{time.strftime('%Y%m%d-%H%M%S')}")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         saved = dataclasses.replace(cfg, api_key="<redacted>" if cfg.api_key else None)  # never written down
@@ -209,6 +224,26 @@ class Engine:
         """``cfg`` with the placement to run: the device's default when none was given."""
 
         gpus = torch.cuda.device_count() if self.device is DeviceType.CUDA else 0
+        den = cfg.placement.get("denoise") if cfg.placement is not None else None
+        if isinstance(den, dict):  # replicas of parallel ranks, each running whole requests
+            self.layout, self.replicas = parse_denoise_replicas(den)
+            leaders = [ranks[0] for ranks in self.replicas]
+            assert cfg.placement is not None
+            for stage in ("text", "decode"):
+                given = cfg.placement.get(stage)
+                given = [given] if isinstance(given, int) else given
+                if given is not None and sorted(given) != sorted(leaders):
+                    raise ValueError(
+                        f"placement.{stage}={given}: each replica of placement.denoise runs its requests' "
+                        f"{stage} on its first rank: {leaders} (or leave placement.{stage} out)"
+                    )
+            return dataclasses.replace(cfg, placement={s: list(leaders) for s in ("text", "denoise", "decode")})
+        if self.cfg_needs_whole(cfg):
+            raise ValueError(
+                f"cache.policy={cfg.cache.policy!r} / compile=true: the Wan 2.1 graph's step-batched serving "
+                "calls the DiT on mixed requests; serve whole requests with a replica placement, e.g. "
+                "placement={denoise: {ranks: [0, 1], dp: 2}}"
+            )
         if self.family is None:
             return dataclasses.replace(cfg, placement=resolve_placement(cfg.placement, self.device, gpus))
         if cfg.placement is None:  # replicas: every group runs every stage
@@ -221,6 +256,29 @@ class Engine:
                     f"stage needs the groups of placement.denoise={cfg.placement['denoise']}"
                 )
         return cfg
+
+    def cfg_needs_whole(self, cfg: ServeConfig) -> bool:
+        """Whether ``cfg`` asks for something only whole-request serving runs (a step cache and
+        compilation wrap one request's loop) while the Wan 2.1 graph would batch steps."""
+        return self.family is None and (cfg.cache.policy != "none" or cfg.compile)
+
+    def _check_whole_request(self, cfg: ServeConfig) -> None:
+        """A replica placement and the step cache checked against the model's config files (heads,
+        whole-frame patches, the family's hooks, the default frame count) before any worker starts."""
+        if self.layout is None:
+            return
+        if self.device is not DeviceType.CPU and self.layout.size > 1:
+            raise ValueError(
+                "placement.denoise: replicas of several ranks run on CPU ranks (gloo) today; use device=cpu"
+            )
+        if "ckpt" in self._spec:
+            root = pipeline_dir(load_run_config(Path(self._spec["ckpt"])).model, Path(self._spec["ckpt"]))
+        else:
+            root = Path(self._spec["pipeline"])
+        placement = InferencePlacement(
+            self.world, self.replicas[0][0], self.replicas[0], self.layout, self.replicas[0][:1]
+        )
+        check_placement_for_model(placement, root, latent_frames_of(root, cfg.frames), cache_policy=cfg.cache.policy)
 
     @property
     def _placement(self) -> dict[str, Any]:
@@ -258,7 +316,7 @@ class Engine:
 
         cfg = self.cfg
         ctx = procs.context([__name__])
-        world = cfg.groups
+        world = self.world
         init = {
             "port": free_port(),
             "world": world,
@@ -267,7 +325,12 @@ class Engine:
             "env": procs.environment(),
             "device": self.device.value,
         }
-        options = {k: getattr(cfg, k) for k in ("max_batch", "max_wait_ms")} | {"placement": cfg.placement}
+        options = {k: getattr(cfg, k) for k in ("max_batch", "max_wait_ms", "compile")} | {
+            "placement": cfg.placement,
+            "cache": dataclasses.asdict(cfg.cache),
+            "replicas": [list(r) for r in self.replicas],
+            "layout": dataclasses.asdict(self.layout) if self.layout is not None else None,
+        }
         outbox, inboxes = ctx.Queue(), [ctx.Queue() for _ in range(world)]
         workers = [
             ctx.Process(
@@ -313,8 +376,14 @@ class Engine:
     def placement_text(self) -> str:
         """Which stages each device group (worker process, rank) runs, and on which GPU."""
         lines = []
-        for g in range(self.cfg.groups):
+        for g in range(self.world):
             stages = [s for s, groups in self._placement.items() if g in groups]
+            replica = next((r for r in self.replicas if g in r), None)
+            if replica is not None and len(replica) > 1 and self.layout is not None:
+                lay = self.layout
+                degrees = ", ".join(f"{k}={getattr(lay, k)}" for k in ("cfg", "ring", "ulysses") if getattr(lay, k) > 1)
+                role = "leader: text, decode; " if g == replica[0] else ""
+                stages = [f"{role}denoise over ranks {list(replica)} ({degrees})"]
             gpu = f", {rank_device(self.device, g)}" if self.device is DeviceType.CUDA else ""
             lines.append(f"group {g} (rank {g}, pid {self._procs[g].pid}{gpu}): {', '.join(stages)}")
         return "\n".join(lines)
@@ -329,7 +398,7 @@ class Engine:
             if unfinished >= self.cfg.max_queue:
                 self.metrics.request_finished("rejected")
                 raise QueueFull(self.cfg.max_queue, retry_after=self._retry_after(unfinished))
-            if self.family is not None:  # whole-request: one group runs every stage
+            if self.family is not None or self.replicas:  # whole-request: one group (replica) runs every stage
                 group = self._least_loaded("denoise", None)
                 route = _Route(group, group, group)
             else:
@@ -600,7 +669,19 @@ def _worker_main(
         device = _group_device(DeviceType(init["device"]), group)
         graph = (graph_factory or default_graph)(spec)
         place_stages(graph, device, {s for s, groups in options["placement"].items() if group in groups})
-        worker = _GroupWorker(group, init["world"], graph, options, inbox, outbox, Path(init["run_dir"]), device)
+        replica = None
+        if options["layout"] is not None and options["layout"] != dataclasses.asdict(DenoiseLayout()):
+            layout = DenoiseLayout(**options["layout"])
+            for ranks in options["replicas"]:  # collective: every rank creates every replica's groups, in order
+                made = DenoiseGroup(layout, ranks)
+                if made.member:
+                    replica = made
+            assert replica is not None
+            place_replica(graph, replica)
+        configure_denoiser(graph, StepCacheConfig(**options["cache"]), compile=options["compile"])
+        worker = _GroupWorker(
+            group, init["world"], graph, options, inbox, outbox, Path(init["run_dir"]), device, replica=replica
+        )
     except Exception as err:
         # The cause goes to the front end (one line); the traceback to a file it names, not the terminal.
         log = Path(init["run_dir"]) / f"serve-group{group}-start-error.txt"
@@ -662,15 +743,20 @@ class _GroupWorker:
         outbox: Any,
         run_dir: Path,
         device: torch.device,
+        *,
+        replica: DenoiseGroup | None = None,
     ) -> None:
 
         self.group, self.world, self.graph, self.device = group, world, graph, device
+        #: the parallel replica this group is a rank of (None: it runs requests alone)
+        self.replica = replica
         self.inbox, self.outbox = inbox, outbox
         self.max_batch: int = options["max_batch"]
         self.max_wait = options["max_wait_ms"] / 1e3
         placement = options["placement"]
         self.stages = {s for s, groups in placement.items() if group in groups}
-        self.whole = isinstance(graph, PipelineGraph)  # a family served whole-request
+        # a family, or a replica placement: served whole-request
+        self.whole = isinstance(graph, PipelineGraph) or bool(options["replicas"])
         self.whole_queue: collections.deque[int] = collections.deque()
         if not self.whole:
             self.dit_dtype: torch.dtype = graph.denoise.module.dtype
@@ -817,8 +903,44 @@ class _GroupWorker:
         self._drop(number)
 
     # ---- the loop ----------------------------------------------------------------------------
+    @property
+    def _leads(self) -> bool:
+        """Whether this group leads a replica of several ranks (it tells the others what to run)."""
+        return self.replica is not None and len(self.replica.ranks) > 1 and self.replica.ranks[0] == self.group
+
     def loop(self) -> None:
-        """Handle every waiting event, run at most one batch per stage; block while there is no work."""
+        """Handle every waiting event, run at most one batch per stage; block while there is no work.
+        A replica's other ranks follow its leader instead (:meth:`_follow`)."""
+        if self.replica is not None and self.replica.ranks[0] != self.group:
+            self._follow()
+            return
+        try:
+            self._loop()
+        finally:
+            if self._leads and self.stopping:
+                self._command(("stop",))
+
+    def _command(self, command: tuple[Any, ...]) -> None:
+        assert self.replica is not None
+        dist.broadcast_object_list([command], src=self.replica.ranks[0], group=self.replica.group)
+
+    def _follow(self) -> None:
+        """A replica rank that is not its leader: run each request the leader broadcasts, as its
+        share of the parallel denoiser (text arrives from the leader; the leader decodes)."""
+        assert self.replica is not None
+        while True:
+            box: list[Any] = [None]
+            dist.broadcast_object_list(box, src=self.replica.ranks[0], group=self.replica.group)
+            if box[0][0] == "stop":
+                return
+            _, call, seed = box[0]
+            try:
+                with torch.no_grad():
+                    self.graph.generate(**call, seed=seed, output_type="latent", progress=False)
+            except Exception as err:  # the leader fails the request (it raised the same there)
+                logger.warning("replica request failed: %s", err)
+
+    def _loop(self) -> None:
         timeout: float | None = 0.0
         while not self.stopping:
             try:
@@ -859,23 +981,29 @@ class _GroupWorker:
         r = req.request
         self.outbox.put(("started", number))
         start = time.perf_counter()
-        family = self.graph.family
+        family = self.graph.family if isinstance(self.graph, PipelineGraph) else None
+        output = family.output if family is not None else "video"
         call: dict[str, Any] = {
             "prompt": r.prompt,
             "negative_prompt": r.negative_prompt or None,
             "height": r.height,
             "width": r.width,
             "num_inference_steps": r.steps,
-            family.cfg_argument: r.guidance,  # classifier-free guidance's scale, whatever the family names it
+            # classifier-free guidance's scale, whatever the family names it
+            (family.cfg_argument if family is not None else "guidance_scale"): r.guidance,
         }
-        if family.output == "video":
+        if output == "video":
             call["num_frames"] = r.frames
         try:
             if r.image is not None:
                 call["image"] = Image.open(io.BytesIO(r.image)).convert("RGB")
+            if self._leads:
+                if family is not None:
+                    self.graph.bind(**call)  # refused here, before the other ranks start on it
+                self._command(("run", call, r.seed))
             with torch.no_grad():
                 out = self.graph.generate(**call, seed=r.seed, output_type="np", progress=False)
-            frames = frames_to_uint8(out[0] if family.output == "video" else out[0][None])
+            frames = frames_to_uint8(out[0] if output == "video" else out[0][None])
         except Exception as err:
             self._fail(number, "denoise", err)
             return True
