@@ -28,6 +28,7 @@ commands:
   train      train the text-to-video DAG (default: tiny Wan-style model on moving shapes)
   generate   render a prompt with a trained run: mmpipe generate ckpt=RUN_DIR prompt="..."
   plan       plan a model on a cluster: mmpipe plan model=wan14b_t2v cluster=h200_512 [--json]
+             serving: mmpipe plan mode=serve model=wan1_3b_t2v cluster=h200_8 [slo_s=60] [--json]
   profile    calibrate the planner's cost model on this machine: mmpipe profile model=t2v_tiny
   report     profiling dashboard of runs, one offline HTML file: mmpipe report RUN_DIR [RUN_DIR ...] [--out FILE]
   eval       generate the moving-shapes caption grid with a trained run and score it: mmpipe eval RUN_DIR
@@ -83,11 +84,29 @@ def _run_plan(raw: dict[str, Any]) -> None:
 
     if cfg.calibration is None and cfg.cluster.get("name") == "local" and default_calibration_path().is_file():
         cfg.calibration = str(default_calibration_path())
+    if cfg.mode == "serve":
+        _plan_serving(cfg)
+        return
     graph, report = plan_from_config(cfg)
     if cfg.json:
         print(json.dumps(report_json(graph, report), indent=2))
     else:
         print(report.format())
+        if cfg.calibration:
+            print(f"calibration: {cfg.calibration}")
+
+
+def _plan_serving(cfg: PlanConfig) -> None:
+    """``mmpipe plan mode=serve``: how the cluster serves requests of the preset's size."""
+    from mmpipe.assemble.serve_planning import (  # start-up: the command's stack, imported when it runs
+        serve_plan_from_config,
+    )
+
+    plan = serve_plan_from_config(cfg)
+    if cfg.json:
+        print(json.dumps(plan.to_json(), indent=2))
+    else:
+        print(plan.format())
         if cfg.calibration:
             print(f"calibration: {cfg.calibration}")
 

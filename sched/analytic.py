@@ -134,9 +134,19 @@ class StageConfig:
 class CostModel:
     """Seconds and bytes of a stage configuration on a cluster (see the module docstring)."""
 
-    def __init__(self, cluster: Cluster, workload: Workload, calibration: Calibration | None = None) -> None:
+    def __init__(
+        self,
+        cluster: Cluster,
+        workload: Workload,
+        calibration: Calibration | None = None,
+        *,
+        replicate_frozen: bool = False,
+    ) -> None:
+        """``replicate_frozen``: frozen stages keep whole weights on every rank of their group (serving:
+        CFG- and sequence-parallel inference replicates the DiT, no FSDP gathers)."""
         self.cluster, self.w, self.cal = cluster, workload, calibration
         self.budget = cluster.memory_bytes * USABLE_MEMORY
+        self.replicate_frozen = replicate_frozen
 
     @property
     def calibrated(self) -> Calibration | None:
@@ -204,7 +214,7 @@ class CostModel:
         # recomputation) of every micro-batch; gradients reduce-scattered once per step.
         fsdp = sync = 0.0
         width = self.cluster.dtype_bytes
-        replicate = not trainable and width * c.params <= 0.25 * self.budget
+        replicate = not trainable and (self.replicate_frozen or width * c.params <= 0.25 * self.budget)
         gather_once = gather_once and trainable and group > 1
         if group > 1 and (trainable or not replicate):
             gather = self.collective("all_gather", width * c.params, group)

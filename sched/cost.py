@@ -166,6 +166,46 @@ def measure_graph_costs(
     return costs
 
 
+def measure_decode_cost(
+    vae: Stage, video: ShapeDtype, *, cache: bool = True, dtype: torch.dtype = torch.bfloat16
+) -> tuple[StageCost, tuple[int, ...]]:
+    """What decoding one sample costs ``vae``'s module: the FLOPs of ``decode`` of the latents it
+    encodes a video of ``video``'s ``(shape, dtype)`` into, and those latents' raw shape
+    ``(1, Z, t, h, w)``. The serving planner's decode stage (a training graph only encodes)."""
+    feed = {"video": _meta_tensor(*video)}
+    key = _cache_key(vae, feed, False, dtype, what="decode") if cache else None
+    hit = _cache_get(key) if key else None
+    if hit is not None:
+        return hit[0], hit[1]["latents"][0]
+    module: Any = build_meta_module(vae, dtype)  # diffusers' AutoencoderKL* (encode/decode are not nn.Module API)
+    counter = FlopCounterMode(display=False)
+    with torch.no_grad(), _MetaScalars(), _FlashAttention():
+        z = module.encode(feed["video"].to(dtype)).latent_dist.mode()
+        with counter:
+            out = module.decode(z, return_dict=False)[0]
+    attention = sum(
+        v for k, v in counter.get_flop_counts()["Global"].items() if str(k).split(".")[-1] in _ATTENTION_OPS
+    )
+    cost = StageCost(
+        forward_flops=float(counter.get_total_flops()),
+        backward_flops=0.0,
+        attention_flops=float(attention),
+        params=sum(p.numel() for p in module.parameters()),
+        output_bytes=_nbytes(out),
+        activation_bytes=0,
+        block_flops=0.0,
+        block_activation_bytes=0,
+        block_input_bytes=0,
+        blocks=0,
+        tokens=0,
+        hidden=0,
+        heads=0,
+    )
+    if key:
+        _cache_put(key, cost, {"latents": (tuple(z.shape), z.dtype), "video": (tuple(out.shape), out.dtype)})
+    return cost, tuple(z.shape)
+
+
 def _measure(
     stage: Stage,
     inputs: dict[str, torch.Tensor],
@@ -333,7 +373,10 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("MMPIPE_CACHE", Path.home() / ".cache" / "mmpipe")) / "costs"
 
 
-def _cache_key(stage: Stage, feed: Mapping[str, torch.Tensor], backward: bool, dtype: torch.dtype) -> str | None:
+def _cache_key(
+    stage: Stage, feed: Mapping[str, torch.Tensor], backward: bool, dtype: torch.dtype, *, what: str = ""
+) -> str | None:
+    """``what``: a measurement other than the stage's forward (``"decode"``), keyed apart."""
     cfg = getattr(getattr(stage, "source", None), "config", None)
     if cfg is None:
         return None
@@ -350,7 +393,8 @@ def _cache_key(stage: Stage, feed: Mapping[str, torch.Tensor], backward: bool, d
             "backward": backward,
             "dtype": str(dtype),
             "versions": [torch.__version__, diffusers.__version__, transformers.__version__],
-        },
+        }
+        | ({"what": what} if what else {}),
         sort_keys=True,
         default=str,
     )

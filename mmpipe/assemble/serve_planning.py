@@ -1,0 +1,63 @@
+"""The serving planner on a config (``mmpipe plan mode=serve``): a preset's request costs and the
+serving plan of :mod:`mmpipe.sched.serve_planner`.
+
+A request's stages are costed from the preset's training graph (``planning_graph``, so full-size
+presets stay architecture-only and the costs share the training planner's cache): its text encoder
+and DiT forwards as they are, the VAE's decode measured apart (the training graph only encodes).
+A ``mmpipe profile`` calibration names the training graph's stages; the request's stages take the
+entries of the modules they run (text: ``text``, denoise: ``dit``, decode: ``vae``, whose
+efficiency was measured encoding).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from mmpipe.assemble.graphs import planning_graph
+from mmpipe.assemble.planning import cluster_of
+from mmpipe.config import DataConfig, ModelConfig, PlanConfig
+from mmpipe.sched.calibration import Calibration
+from mmpipe.sched.cost import measure_decode_cost, measure_graph_costs
+from mmpipe.sched.serve_planner import Objective, ServeCosts, ServePlan, plan_serving
+
+#: the request's stage -> the training graph's stage whose module it runs (and whose calibration it takes)
+TRAINING_STAGE = {"text": "text", "denoise": "dit", "decode": "vae"}
+
+
+def serve_costs(model: ModelConfig, data: DataConfig) -> ServeCosts:
+    """Per-sample costs of one request of ``model``'s video size (``model.video``, else ``data``'s)."""
+    if model.kind != "t2v":
+        raise ValueError(f"mode=serve plans text-to-video presets; model {model.name!r} has kind={model.kind!r}")
+    graph, shapes = planning_graph(model, data)
+    costs = measure_graph_costs(graph, shapes)
+    decode, latents = measure_decode_cost(graph.stages["vae"], shapes["video"])
+    dit = graph.stages["dit"]
+    return ServeCosts(
+        name=model.name,
+        text=costs["text"],
+        denoise=costs["dit"],
+        decode=decode,
+        latent_elements=math.prod(latents),
+        sequence_parallel=dit.capabilities.sequence_parallel,
+    )
+
+
+def serving_calibration(cal: Calibration) -> Calibration:
+    """``cal`` (per training-graph stage) with the request's stage names (:data:`TRAINING_STAGE`)."""
+    stages = {s: cal.stages[t] for s, t in TRAINING_STAGE.items() if t in cal.stages}
+    return dataclasses.replace(cal, stages=stages)
+
+
+def serve_plan_from_config(cfg: PlanConfig) -> ServePlan:
+    """Plan serving ``cfg.model`` on ``cfg.cluster`` (``mmpipe plan mode=serve``)."""
+    cal = serving_calibration(Calibration.load(cfg.calibration)) if cfg.calibration else None
+    return plan_serving(
+        serve_costs(cfg.model, cfg.data),
+        cluster_of(cfg.cluster, cfg.nproc),
+        steps=cfg.steps,
+        guidance=cfg.guidance,
+        slo_s=cfg.slo_s,
+        objective=Objective(cfg.objective),
+        calibration=cal,
+    )
