@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from diffusers import (
     AutoencoderKLCogVideoX,
     AutoencoderKLHunyuanVideo,
@@ -34,6 +35,7 @@ from diffusers import (
 from torch import nn
 
 from mmpipe.graph import Capabilities, TensorSpec
+from mmpipe.parallel.vae import parallel_wan_decode
 from mmpipe.stages._source import ModuleSource, SourcedStage
 
 
@@ -88,11 +90,21 @@ class WanVAEDecodeStage(_WanVAEStage):
     def outputs(self) -> Mapping[str, TensorSpec]:
         return {"video": TensorSpec(("B", 3, "T", "H", "W"))}
 
+    #: the ranks that decode each video together, split by latent frames (None: this process alone)
+    decode_group: dist.ProcessGroup | None = None
+    decode_halo: int | None = None
+
+    def parallelize(self, group: dist.ProcessGroup | None, *, halo: int | None = None) -> None:
+        """Decode over ``group``'s ranks, each a range of latent frames plus ``halo`` frames of
+        context before it (:func:`mmpipe.parallel.vae.parallel_wan_decode`; ``None``: the decoder's
+        whole causal receptive field, exact)."""
+        self.decode_group, self.decode_halo = group, halo
+
     def forward(self, module: nn.Module, inputs: Mapping[str, Any], **options: Any) -> dict[str, Any]:
         vae: Any = module
         z_BZthw = inputs["latents"].to(vae.dtype)
         mean, inv_std = self._mean_std(z_BZthw)
-        video_B3THW = vae.decode(z_BZthw / inv_std + mean, return_dict=False)[0]
+        video_B3THW = parallel_wan_decode(vae, z_BZthw / inv_std + mean, self.decode_group, halo=self.decode_halo)
         return {"video": video_B3THW}
 
 

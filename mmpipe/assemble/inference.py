@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from mmpipe.models.pipeline_graph import check_parallel_dir
+from mmpipe.models.pipeline_graph import check_parallel_dir, family_class
 from mmpipe.parallel.denoise import DenoiseLayout
 
 STAGES = ("text", "denoise", "decode")
@@ -31,6 +31,9 @@ class InferencePlacement:
     denoise: tuple[int, ...]  # row-major over (cfg, ring, ulysses)
     layout: DenoiseLayout
     decode: tuple[int, ...]  # one rank, or the denoise ranks (a frame-parallel decode)
+    #: latent frames of context before each decode rank's range (None: the decoder's whole causal
+    #: receptive field, exact; fewer: approximate, see mmpipe.parallel.vae)
+    decode_halo: int | None = None
 
     def describe(self) -> str:
         lay = self.layout
@@ -93,7 +96,17 @@ def parse_inference_placement(raw: Mapping[str, Any] | None, nproc: int, *, guid
             "placement.denoise.cfg=2 runs the two guidance branches on different ranks, but the request's "
             "guidance is off (guidance <= 1): use cfg=1"
         )
-    decode = _ranks("placement.decode", raw.get("decode", [text[0]]), nproc)
+    dec = raw.get("decode", [text[0]])
+    halo = None
+    if isinstance(dec, Mapping):
+        unknown = sorted(set(dec) - {"ranks", "halo"})
+        if unknown or "ranks" not in dec:
+            raise ValueError(f"placement.decode={dict(dec)!r}: expected ranks and optionally halo (latent frames)")
+        halo = dec.get("halo")
+        if halo is not None and (not isinstance(halo, int) or isinstance(halo, bool) or halo < 1):
+            raise ValueError(f"placement.decode.halo={halo!r}: expected a positive number of latent frames")
+        dec = dec["ranks"]
+    decode = _ranks("placement.decode", dec, nproc)
     if len(decode) > 1 and sorted(decode) != sorted(ranks):
         raise ValueError(
             f"placement.decode={list(decode)}: a parallel decode runs over the denoise ranks {list(ranks)}; "
@@ -102,7 +115,9 @@ def parse_inference_placement(raw: Mapping[str, Any] | None, nproc: int, *, guid
     idle = sorted(set(range(nproc)) - {text[0], *ranks, *decode})
     if idle:
         raise ValueError(f"placement: rank {idle[0]} of nproc={nproc} runs no stage")
-    return InferencePlacement(nproc, text[0], ranks, layout, decode)
+    if halo is not None and len(decode) == 1:
+        raise ValueError("placement.decode.halo: a decode on one rank needs no halo")
+    return InferencePlacement(nproc, text[0], ranks, layout, decode, halo)
 
 
 def parse_denoise_replicas(
@@ -144,6 +159,13 @@ def check_placement_for_model(
     if latent_frames is not None:
         layout.check_frames(latent_frames, key="placement.denoise")
     check_parallel_dir(root, layout, key="placement.denoise")
+    if len(placement.decode) > 1:
+        family = family_class(str(json.loads((root / "model_index.json").read_text()).get("_class_name")))
+        if not family.parallel_decode:
+            raise ValueError(
+                f"placement.decode={list(placement.decode)}: {family.pipeline_cls.__name__}'s VAE decode is "
+                "not split over ranks in mmpipe (the Wan VAE's is); name one rank"
+            )
     if layout.sp > 1 and cache_policy == "first_block":
         raise ValueError(
             f"cache.policy='first_block' with placement.denoise ulysses x ring = {layout.sp}: each rank would "

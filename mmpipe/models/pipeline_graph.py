@@ -33,6 +33,7 @@ from types import SimpleNamespace
 from typing import Any, ClassVar, cast
 
 import torch
+import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 from torch import nn
 from tqdm.auto import tqdm
@@ -169,6 +170,10 @@ class Family(abc.ABC):
     #: state tensors ``(B, C, t, h, w)`` that :meth:`predict` reads beside the latents (an image
     #: condition): a sequence-parallel rank gets its frames of them too
     sequence_state: ClassVar[tuple[str, ...]] = ()
+    #: whether :meth:`decode` can split a video's latent frames over ranks (``decode_group``)
+    parallel_decode: ClassVar[bool] = False
+    decode_group: dist.ProcessGroup | None = None
+    decode_halo: int | None = None
 
     def __init__(self, pipe: Any) -> None:
         """Wrap ``pipe``; a subclass raises ``ValueError`` here for a pipeline it cannot run."""
@@ -460,6 +465,19 @@ class DecodeStage(_FamilyStage):
             return {"pixels": inputs["latents"]}
         extras = {p: inputs[p] for p in self.family.decode_ports if p in inputs}
         return {"pixels": self.family.decode(inputs["latents"], call, extras)}
+
+
+def _decode_parallelize(stage: DecodeStage, group: dist.ProcessGroup | None, *, halo: int | None = None) -> None:
+    fam = stage.family
+    if not fam.parallel_decode:
+        raise ValueError(
+            f"placement.decode: {fam.pipeline_cls.__name__}'s VAE decode is not split over ranks in mmpipe; "
+            "name one rank"
+        )
+    fam.decode_group, fam.decode_halo = group, halo
+
+
+DecodeStage.parallelize = _decode_parallelize  # type: ignore[attr-defined]
 
 
 class PipelineGraph(Graph):

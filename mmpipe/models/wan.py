@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, ClassVar, cast
 
 import torch
+import torch.distributed as dist
 from diffusers import AutoencoderKLWan, DiffusionPipeline, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
 from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 from diffusers.video_processor import VideoProcessor
@@ -59,6 +60,7 @@ from mmpipe.models.pipeline_graph import (
 )
 from mmpipe.models.shapes_vae import load_shapes_vae
 from mmpipe.parallel.modules import SequenceState
+from mmpipe.parallel.vae import parallel_wan_decode
 from mmpipe.stages import (
     CausalLMTextEncoderStage,
     DenoiseStage,
@@ -235,6 +237,7 @@ class Wan22Family(Family):
 
     pipeline_cls: ClassVar[type] = WanPipeline  # WanI2VFamily: WanImageToVideoPipeline
     denoise_components = ("transformer", "transformer_2")
+    parallel_decode = True
 
     def prepare_call(self, call: dict[str, Any]) -> dict[str, Any]:
         p = self.pipe
@@ -357,16 +360,19 @@ class Wan22Family(Family):
     def decode(
         self, latents: torch.Tensor, call: Mapping[str, Any], extras: Mapping[str, torch.Tensor]
     ) -> torch.Tensor:
-        return wan_vae_decode(self.pipe.vae, latents)
+        return wan_vae_decode(self.pipe.vae, latents, group=self.decode_group, halo=self.decode_halo)
 
 
-def wan_vae_decode(vae: Any, latents: torch.Tensor) -> torch.Tensor:
-    """``WanPipeline``'s decode: de-normalise with the VAE's latent statistics, then decode."""
+def wan_vae_decode(
+    vae: Any, latents: torch.Tensor, *, group: dist.ProcessGroup | None = None, halo: int | None = None
+) -> torch.Tensor:
+    """``WanPipeline``'s decode: de-normalise with the VAE's latent statistics, then decode (split
+    by latent frames over ``group``'s ranks: :func:`mmpipe.parallel.vae.parallel_wan_decode`)."""
     z = vae.config.z_dim
     latents = latents.to(vae.dtype)
     mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1).to(latents.device, latents.dtype)
     inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1).to(latents.device, latents.dtype)
-    return vae.decode(latents / inv_std + mean, return_dict=False)[0]
+    return parallel_wan_decode(vae, latents / inv_std + mean, group, halo=halo)
 
 
 def build_text_stage(
