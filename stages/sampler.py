@@ -125,6 +125,12 @@ class DenoiseStage(SourcedStage):
         p_h, p_w = self.source.config.patch_size[1:]
         per_frame = (latents.shape[3] // p_h) * (latents.shape[4] // p_w)
 
+        # Sequence-parallel ranks run both guidance branches as one batch: their attention's
+        # collectives then carry both (half the calls); not under a step cache, which keeps one
+        # state per branch. One process runs them apart, as WanPipeline does (its output is bitwise
+        # the pipeline's).
+        batch_branches = par is not None and par.layout.sp > 1 and self.step_cache.policy == "none"
+
         def loop() -> torch.Tensor:
             x0 = latents
             for t in tqdm(scheduler.timesteps, desc=self.name, disable=not progress, leave=False):
@@ -133,7 +139,15 @@ class DenoiseStage(SourcedStage):
                 preds: dict[str, torch.Tensor] = {}
                 branches = par.branches(cfg_on) if par is not None else tuple(context)
                 with par.tokens(x0.shape[2], per_frame) if par is not None else contextlib.nullcontext():
-                    for branch in branches:
+                    if batch_branches and len(branches) == 2:  # one forward: one collective a layer, not two
+                        both = module(
+                            hidden_states=torch.cat([x, x]),
+                            timestep=torch.cat([timestep_B, timestep_B]),
+                            encoder_hidden_states=torch.cat([context[COND], context[UNCOND]]),
+                            return_dict=False,
+                        )[0]
+                        preds = dict(zip(branches, both.chunk(2), strict=True))
+                    for branch in branches if not preds else ():
                         # each branch in the model's cache context (step caches keep one state per branch)
                         with cast(Any, module).cache_context(branch):
                             preds[branch] = module(

@@ -35,7 +35,7 @@ from diffusers import (
 from torch import nn
 
 from mmpipe.graph import Capabilities, TensorSpec
-from mmpipe.parallel.vae import parallel_wan_decode
+from mmpipe.parallel.vae import split_wan_decode
 from mmpipe.stages._source import ModuleSource, SourcedStage
 
 
@@ -90,21 +90,22 @@ class WanVAEDecodeStage(_WanVAEStage):
     def outputs(self) -> Mapping[str, TensorSpec]:
         return {"video": TensorSpec(("B", 3, "T", "H", "W"))}
 
-    #: the ranks that decode each video together, split by latent frames (None: this process alone)
+    #: the ranks that decode each video together (None: this process alone), how they split it
     decode_group: dist.ProcessGroup | None = None
+    decode_split: str = "rows"
     decode_halo: int | None = None
 
-    def parallelize(self, group: dist.ProcessGroup | None, *, halo: int | None = None) -> None:
-        """Decode over ``group``'s ranks, each a range of latent frames plus ``halo`` frames of
-        context before it (:func:`mmpipe.parallel.vae.parallel_wan_decode`; ``None``: the decoder's
-        whole causal receptive field, exact)."""
-        self.decode_group, self.decode_halo = group, halo
+    def parallelize(self, group: dist.ProcessGroup | None, *, split: str = "rows", halo: int | None = None) -> None:
+        """Decode over ``group``'s ranks (:func:`mmpipe.parallel.vae.split_wan_decode`): each a band
+        of rows (exact), or a range of latent frames after ``halo`` frames of context."""
+        self.decode_group, self.decode_split, self.decode_halo = group, split, halo
 
     def forward(self, module: nn.Module, inputs: Mapping[str, Any], **options: Any) -> dict[str, Any]:
         vae: Any = module
         z_BZthw = inputs["latents"].to(vae.dtype)
         mean, inv_std = self._mean_std(z_BZthw)
-        video_B3THW = parallel_wan_decode(vae, z_BZthw / inv_std + mean, self.decode_group, halo=self.decode_halo)
+        z_BZthw = z_BZthw / inv_std + mean
+        video_B3THW = split_wan_decode(vae, z_BZthw, self.decode_group, split=self.decode_split, halo=self.decode_halo)
         return {"video": video_B3THW}
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from mmpipe.models.pipeline_graph import check_parallel_dir, family_class
 from mmpipe.parallel.denoise import DenoiseLayout
+from mmpipe.parallel.vae import DECODE_SPLITS
 
 STAGES = ("text", "denoise", "decode")
 
@@ -34,6 +35,7 @@ class InferencePlacement:
     #: latent frames of context before each decode rank's range (None: the decoder's whole causal
     #: receptive field, exact; fewer: approximate, see mmpipe.parallel.vae)
     decode_halo: int | None = None
+    decode_split: str = "rows"  # rows: bands of rows (exact); frames: latent-frame ranges after a halo
 
     def describe(self) -> str:
         lay = self.layout
@@ -97,14 +99,22 @@ def parse_inference_placement(raw: Mapping[str, Any] | None, nproc: int, *, guid
             "guidance is off (guidance <= 1): use cfg=1"
         )
     dec = raw.get("decode", [text[0]])
-    halo = None
+    halo, split = None, "rows"
     if isinstance(dec, Mapping):
-        unknown = sorted(set(dec) - {"ranks", "halo"})
+        unknown = sorted(set(dec) - {"ranks", "split", "halo"})
         if unknown or "ranks" not in dec:
-            raise ValueError(f"placement.decode={dict(dec)!r}: expected ranks and optionally halo (latent frames)")
+            raise ValueError(
+                f"placement.decode={dict(dec)!r}: expected ranks, and optionally split (rows | frames) and "
+                "halo (latent frames, with split: frames)"
+            )
+        split = dec.get("split", "rows")
+        if split not in DECODE_SPLITS:
+            raise ValueError(f"placement.decode.split={split!r}: expected one of {list(DECODE_SPLITS)}")
         halo = dec.get("halo")
         if halo is not None and (not isinstance(halo, int) or isinstance(halo, bool) or halo < 1):
             raise ValueError(f"placement.decode.halo={halo!r}: expected a positive number of latent frames")
+        if halo is not None and split != "frames":
+            raise ValueError("placement.decode.halo: only a split by frames has a halo (rows exchange their own)")
         dec = dec["ranks"]
     decode = _ranks("placement.decode", dec, nproc)
     if len(decode) > 1 and sorted(decode) != sorted(ranks):
@@ -117,7 +127,7 @@ def parse_inference_placement(raw: Mapping[str, Any] | None, nproc: int, *, guid
         raise ValueError(f"placement: rank {idle[0]} of nproc={nproc} runs no stage")
     if halo is not None and len(decode) == 1:
         raise ValueError("placement.decode.halo: a decode on one rank needs no halo")
-    return InferencePlacement(nproc, text[0], ranks, layout, decode, halo)
+    return InferencePlacement(nproc, text[0], ranks, layout, decode, halo, split)
 
 
 def parse_denoise_replicas(

@@ -173,6 +173,7 @@ class Family(abc.ABC):
     #: whether :meth:`decode` can split a video's latent frames over ranks (``decode_group``)
     parallel_decode: ClassVar[bool] = False
     decode_group: dist.ProcessGroup | None = None
+    decode_split: str = "rows"
     decode_halo: int | None = None
 
     def __init__(self, pipe: Any) -> None:
@@ -467,14 +468,16 @@ class DecodeStage(_FamilyStage):
         return {"pixels": self.family.decode(inputs["latents"], call, extras)}
 
 
-def _decode_parallelize(stage: DecodeStage, group: dist.ProcessGroup | None, *, halo: int | None = None) -> None:
+def _decode_parallelize(
+    stage: DecodeStage, group: dist.ProcessGroup | None, *, split: str = "rows", halo: int | None = None
+) -> None:
     fam = stage.family
     if not fam.parallel_decode:
         raise ValueError(
             f"placement.decode: {fam.pipeline_cls.__name__}'s VAE decode is not split over ranks in mmpipe; "
             "name one rank"
         )
-    fam.decode_group, fam.decode_halo = group, halo
+    fam.decode_group, fam.decode_split, fam.decode_halo = group, split, halo
 
 
 DecodeStage.parallelize = _decode_parallelize  # type: ignore[attr-defined]

@@ -60,7 +60,7 @@ from mmpipe.models.pipeline_graph import (
 )
 from mmpipe.models.shapes_vae import load_shapes_vae
 from mmpipe.parallel.modules import SequenceState
-from mmpipe.parallel.vae import parallel_wan_decode
+from mmpipe.parallel.vae import split_wan_decode
 from mmpipe.stages import (
     CausalLMTextEncoderStage,
     DenoiseStage,
@@ -360,19 +360,26 @@ class Wan22Family(Family):
     def decode(
         self, latents: torch.Tensor, call: Mapping[str, Any], extras: Mapping[str, torch.Tensor]
     ) -> torch.Tensor:
-        return wan_vae_decode(self.pipe.vae, latents, group=self.decode_group, halo=self.decode_halo)
+        return wan_vae_decode(
+            self.pipe.vae, latents, group=self.decode_group, split=self.decode_split, halo=self.decode_halo
+        )
 
 
 def wan_vae_decode(
-    vae: Any, latents: torch.Tensor, *, group: dist.ProcessGroup | None = None, halo: int | None = None
+    vae: Any,
+    latents: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    split: str = "rows",
+    halo: int | None = None,
 ) -> torch.Tensor:
     """``WanPipeline``'s decode: de-normalise with the VAE's latent statistics, then decode (split
-    by latent frames over ``group``'s ranks: :func:`mmpipe.parallel.vae.parallel_wan_decode`)."""
+    over ``group``'s ranks: :func:`mmpipe.parallel.vae.split_wan_decode`)."""
     z = vae.config.z_dim
     latents = latents.to(vae.dtype)
     mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1).to(latents.device, latents.dtype)
     inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1).to(latents.device, latents.dtype)
-    return parallel_wan_decode(vae, latents / inv_std + mean, group, halo=halo)
+    return split_wan_decode(vae, latents / inv_std + mean, group, split=split, halo=halo)
 
 
 def build_text_stage(

@@ -475,7 +475,12 @@ def sequence_parallel_attention(
     if lay.ulysses > 1:
         check_heads(q_BHSD.shape[1], lay.ulysses)
         check_heads(k_BHSD.shape[1], lay.ulysses, what="attention keys/values")
-        q_BHSD, k_BHSD, v_BHSD = (seq_to_heads(t, mesh, length) for t in (q_BHSD, k_BHSD, v_BHSD))
+        if q_BHSD.shape == k_BHSD.shape == v_BHSD.shape:  # one all-to-all for the three (data moves only)
+            batch = q_BHSD.shape[0]
+            qkv = seq_to_heads(torch.cat([q_BHSD, k_BHSD, v_BHSD]), mesh, length)
+            q_BHSD, k_BHSD, v_BHSD = qkv[:batch], qkv[batch : 2 * batch], qkv[2 * batch :]
+        else:
+            q_BHSD, k_BHSD, v_BHSD = (seq_to_heads(t, mesh, length) for t in (q_BHSD, k_BHSD, v_BHSD))
     if lay.ring > 1:
         out = _RingAttention.apply(q_BHSD, k_BHSD, v_BHSD, _make_ring(mesh, length, causal), impl, scale)
     else:

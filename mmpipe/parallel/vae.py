@@ -44,6 +44,8 @@ import torch
 import torch.distributed as dist
 from diffusers.models.autoencoders.autoencoder_kl_wan import AutoencoderKLWan, WanCausalConv3d, WanResample
 
+from mmpipe.parallel.vae_patch import patch_parallel_wan_decode
+
 Range = tuple[int, int]
 # Even an approximate decode needs one latent frame of context: the frame a decode starts at is the
 # video's first and gives one video frame instead of ``wan_temporal_factor`` (4).
@@ -174,3 +176,26 @@ def parallel_wan_decode(
     start, stop = ranges[rank]
     piece_BCTHW = decode_frame_range(vae, z_BZthw, start, stop, halo) if stop > start else None
     return _all_gather_frames(piece_BCTHW, z_BZthw, lengths, group)
+
+
+#: how a parallel decode splits a video: row bands (exact, :mod:`mmpipe.parallel.vae_patch`) or
+#: latent frames (exact with the whole receptive field as halo, approximate with less)
+DECODE_SPLITS = ("rows", "frames")
+
+
+def split_wan_decode(
+    vae: AutoencoderKLWan,
+    z_BZthw: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    *,
+    split: str = "rows",
+    halo: int | None = None,
+) -> torch.Tensor:
+    """``vae.decode(z_BZthw).sample`` over ``group``'s ranks, split by ``split`` (``halo``: frames only)."""
+    if split == "rows":
+        if halo is not None:
+            raise ValueError(f"halo={halo}: a split by rows needs no halo (it exchanges one row per convolution)")
+        return patch_parallel_wan_decode(vae, z_BZthw, group)
+    if split == "frames":
+        return parallel_wan_decode(vae, z_BZthw, group, halo=halo)
+    raise ValueError(f"split={split!r}: expected one of {list(DECODE_SPLITS)}")

@@ -73,7 +73,7 @@ def place_inference_graph(graph: Graph, placement: InferencePlacement, *, device
     graph.hosts["text"] = BroadcastHost(placement.text)
     graph.hosts["denoise"] = GroupHost(placement.denoise)
     if len(placement.decode) > 1:
-        stages["decode"].parallelize(group.group, halo=placement.decode_halo)
+        stages["decode"].parallelize(group.group, split=placement.decode_split, halo=placement.decode_halo)
 
 
 def place_replica(graph: Graph, group: DenoiseGroup) -> None:
