@@ -424,7 +424,7 @@ class ServeConfig:
     api_key: str | None = None
     # stage -> groups; None: the device's default (CPU: text on group 0, DiT and VAE on groups 0 and 1;
     # CUDA: one group per GPU running every stage)
-    placement: dict[str, Any] | None = None
+    placement: dict[str, Any] | str | None = None  # "auto": the serving planner's choice (mmpipe plan mode=serve)
     threads: int = 0  # torch threads per group; 0: the machine's cores / groups
     max_batch: int = 4  # requests a stage runs as one batch
     max_wait_ms: float = 5.0  # how long a stage waits for a batch to fill
@@ -460,8 +460,10 @@ class ServeConfig:
                 raise ValueError(f"{key}={value!r} is not a directory")
         if self.pipeline and self.ckpt:
             raise ValueError("give pipeline=DIR or ckpt=RUN_DIR, not both")
-        if self.placement is None:
+        if self.placement is None or self.placement == "auto":
             return
+        if isinstance(self.placement, str):
+            raise ValueError(f"placement={self.placement!r}: expected auto or a mapping of text / denoise / decode")
         unknown = sorted(set(self.placement) - set(STAGE_NAMES_SERVE))
         if unknown:
             raise ValueError(f"placement.{unknown[0]}: unknown stage; stages: {list(STAGE_NAMES_SERVE)}")
@@ -492,7 +494,7 @@ class ServeConfig:
     @property
     def groups(self) -> int:
         """How many device groups (worker processes) the placement names (once it is resolved)."""
-        assert self.placement is not None, "the serving engine resolves a missing placement for its device"
+        assert isinstance(self.placement, dict), "the serving engine resolves a missing or auto placement"
         denoise = self.placement["denoise"]
         ranks = denoise["ranks"] if isinstance(denoise, dict) else denoise
         return 1 + max([*ranks, *(g for s, groups in self.placement.items() if s != "denoise" for g in groups)])

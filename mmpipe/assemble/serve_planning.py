@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 from mmpipe.assemble.graphs import planning_graph
-from mmpipe.assemble.planning import cluster_of
+from mmpipe.assemble.planning import cluster_of, default_calibration_path
 from mmpipe.config import DataConfig, ModelConfig, PlanConfig
 from mmpipe.sched.calibration import Calibration
 from mmpipe.sched.cost import measure_decode_cost, measure_graph_costs
@@ -61,3 +62,28 @@ def serve_plan_from_config(cfg: PlanConfig) -> ServePlan:
         objective=Objective(cfg.objective),
         calibration=cal,
     )
+
+
+def serving_placement(
+    model: ModelConfig, data: DataConfig, *, nproc: int, steps: int, guidance: float, device: str = "cpu"
+) -> tuple[dict[str, Any], ServePlan]:
+    """``mmpipe serve placement=auto``: the planner's choice for requests of ``data``'s size on
+    ``nproc`` local ranks (the objective: requests/s), calibrated by ``mmpipe profile``'s file for
+    ``device`` where there is one, as the engine's placement. A replica of one rank becomes the
+    step-batched list placement (text on the first ranks, the DiT and the VAE on every one)."""
+    path = default_calibration_path(device)
+    cal = serving_calibration(Calibration.load(path)) if path.is_file() else None
+    plan = plan_serving(
+        serve_costs(model, data),
+        cluster_of({"name": "local"}, nproc),
+        steps=steps,
+        guidance=guidance,
+        objective=Objective.THROUGHPUT,
+        calibration=cal,
+    )
+    placement: dict[str, Any] = dict(plan.placement)
+    den = placement["denoise"]
+    if den.get("cfg", 1) * den.get("ulysses", 1) * den.get("ring", 1) == 1:
+        ranks = list(den["ranks"])
+        placement = {"text": ranks[:1], "denoise": ranks, "decode": ranks}
+    return placement, plan

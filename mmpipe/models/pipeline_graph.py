@@ -407,7 +407,9 @@ class DenoiseLoopStage(_FamilyStage):
                         k: par.local(state[k]) for k in fam.sequence_state if state.get(k) is not None
                     }
                 preds: dict[str, torch.Tensor] = {}
-                tokens = par.tokens(frames, fam.tokens_per_frame(model, x0)) if par is not None else None
+                # sequence-parallel ranks only: other layouts' latents need not be (B, C, t, h, w)
+                split = par is not None and par.state is not None
+                tokens = par.tokens(frames, fam.tokens_per_frame(model, x0)) if split and par is not None else None
                 with tokens or contextlib.nullcontext():
                     for branch in branches:
                         # each branch in the model's cache context, as the pipelines call it (diffusers'

@@ -142,6 +142,14 @@ class DenoiseGroup:
             return preds
         lay = self.layout
         mine_nBZthw = torch.stack(list(preds.values()))
+        if lay.sp == 1:  # CFG rows only: whole predictions, of any layout (packed image latents too)
+            got = [torch.empty_like(mine_nBZthw) for _ in self.ranks]
+            dist.all_gather(got, mine_nBZthw.contiguous(), group=self.group)
+            rows: dict[str, torch.Tensor] = {}
+            for row, piece in enumerate(got):
+                for name, p in zip(self.branches(guided, row), piece, strict=True):
+                    rows.setdefault(name, p)
+            return rows
         ranges = lay.frame_ranges(frames)
         longest = max(b - a for a, b in ranges)
         pad = list(mine_nBZthw.shape)

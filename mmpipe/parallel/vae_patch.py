@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -82,11 +82,16 @@ class _Bands:
         return whole.narrow(dim, start, band)
 
 
+def _pads(conv: WanCausalConv3d) -> list[int]:
+    """The causal conv's F.pad amounts ``(w, w, h, h, 2 t, 0)`` (diffusers keeps them in ``_padding``)."""
+    return [int(p) for p in cast(Any, conv)._padding]
+
+
 def _conv3d_forward(conv: WanCausalConv3d, bands: _Bands) -> Any:
-    k = conv._padding[2]  # the height padding the whole decode adds: the rows each side needs
+    k = _pads(conv)[2]  # the height padding the whole decode adds: the rows each side needs
 
     def forward(x: torch.Tensor, cache_x: torch.Tensor | None = None) -> torch.Tensor:
-        padding = list(conv._padding)
+        padding = _pads(conv)
         if cache_x is not None and padding[4] > 0:
             x = torch.cat([cache_x.to(x.device), x], dim=2)
             padding[4] -= cache_x.shape[2]
@@ -98,10 +103,10 @@ def _conv3d_forward(conv: WanCausalConv3d, bands: _Bands) -> Any:
 
 
 def _conv2d_forward(conv: nn.Conv2d, bands: _Bands) -> Any:
-    k_h, k_w = conv.padding  # type: ignore[misc]
+    k_h, k_w = (int(p) for p in cast(tuple[int, int], conv.padding))
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        x = F.pad(bands.halo(x, 2, int(k_h)), (int(k_w), int(k_w), 0, 0))
+        x = F.pad(bands.halo(x, 2, k_h), (k_w, k_w, 0, 0))
         return F.conv2d(x, conv.weight, conv.bias, conv.stride, 0, conv.dilation, conv.groups)
 
     return forward
@@ -123,10 +128,11 @@ def _banded(vae: AutoencoderKLWan, bands: _Bands) -> Iterator[None]:
     patched: list[nn.Module] = []
     try:
         for module in vae.decoder.modules():
-            if isinstance(module, WanCausalConv3d) and module._padding[2] > 0:
+            if isinstance(module, WanCausalConv3d) and _pads(module)[2] > 0:
                 module.forward = _conv3d_forward(module, bands)  # type: ignore[method-assign]
             elif isinstance(module, nn.Conv2d) and module.padding != (0, 0):
-                if module.padding[0] != module.padding[1] or module.stride != (1, 1):  # type: ignore[index]
+                pad = cast(tuple[int, int], module.padding)
+                if pad[0] != pad[1] or module.stride != (1, 1):
                     raise ValueError(f"patch-parallel decode: unexpected Conv2d {module} in the decoder")
                 module.forward = _conv2d_forward(module, bands)  # type: ignore[method-assign]
             elif isinstance(module, WanAttentionBlock):

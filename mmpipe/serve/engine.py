@@ -88,7 +88,8 @@ from mmpipe.assemble.inference import (
     latent_frames_of,
     parse_denoise_replicas,
 )
-from mmpipe.config import ServeConfig, StepCacheConfig, to_dict
+from mmpipe.assemble.serve_planning import serving_placement
+from mmpipe.config import DataConfig, ServeConfig, StepCacheConfig, to_dict
 from mmpipe.data import caption_vocabulary, frames_to_uint8
 from mmpipe.devices import DeviceType, rank_device, resolve_device
 from mmpipe.errors import ServeStartError, cause, loading_errors
@@ -224,6 +225,9 @@ class Engine:
         """``cfg`` with the placement to run: the device's default when none was given."""
 
         gpus = torch.cuda.device_count() if self.device is DeviceType.CUDA else 0
+        if cfg.placement == "auto":
+            cfg = dataclasses.replace(cfg, placement=self._planned(cfg))
+        assert not isinstance(cfg.placement, str)
         den = cfg.placement.get("denoise") if cfg.placement is not None else None
         if isinstance(den, dict):  # replicas of parallel ranks, each running whole requests
             self.layout, self.replicas = parse_denoise_replicas(den)
@@ -257,6 +261,29 @@ class Engine:
                 )
         return cfg
 
+    def _planned(self, cfg: ServeConfig) -> dict[str, Any]:
+        """``placement=auto``: the serving planner's choice for the default request on this machine's
+        cores (``mmpipe plan mode=serve cluster=local``), logged with its prediction."""
+        if self.device is not DeviceType.CPU:
+            raise ValueError("placement=auto plans CPU ranks today; name a placement on CUDA")
+        if cfg.pipeline or cfg.ckpt:
+            raise ValueError(
+                "placement=auto plans the model preset (model=...); for pipeline= / ckpt= run "
+                "mmpipe plan mode=serve model=... cluster=local and pass its placement"
+            )
+        sizes = DataConfig(frames=cfg.frames, height=cfg.height, width=cfg.width)
+        model = dataclasses.replace(cfg.model, video=None)
+        placement, plan = serving_placement(
+            model, sizes, nproc=os.cpu_count() or 1, steps=cfg.steps, guidance=cfg.guidance
+        )
+        logger.info(
+            "placement=auto: %s (predicted %.3f s a request, %.2f requests/s)",
+            placement,
+            plan.latency_s,
+            plan.requests_per_s,
+        )
+        return placement
+
     def cfg_needs_whole(self, cfg: ServeConfig) -> bool:
         """Whether ``cfg`` asks for something only whole-request serving runs (a step cache and
         compilation wrap one request's loop) while the Wan 2.1 graph would batch steps."""
@@ -283,7 +310,7 @@ class Engine:
     @property
     def _placement(self) -> dict[str, Any]:
         """stage -> the groups that run it (resolved by _placed: never None)."""
-        assert self.cfg.placement is not None
+        assert isinstance(self.cfg.placement, dict)
         return self.cfg.placement
 
     def _source_spec(self, cfg: ServeConfig) -> dict[str, Any]:

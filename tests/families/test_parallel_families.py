@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "dist"))
 from workers import run_workers  # noqa: E402
 
 VIDEO = dict(prompt="a red circle moving left", negative_prompt="blurry static", height=32, width=48, num_frames=9)
+IMAGE = dict(prompt="a red circle", negative_prompt="blurry static", height=32, width=48)
 
 
 def _generate(path: Path, layout: DenoiseLayout | None, call: dict[str, Any]) -> np.ndarray:
@@ -39,7 +40,9 @@ def _worker(rank: int, world: int, path: Path, layout: DenoiseLayout, call: dict
 
 @pytest.fixture(scope="module")
 def dirs(wan22_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from mmpipe.models.flux import save_tiny_flux_pipeline
     from mmpipe.models.hunyuan import save_tiny_hunyuan_pipeline
+    from mmpipe.models.ltx import save_tiny_ltx_pipeline
     from mmpipe.models.wan_i2v import save_tiny_wan_i2v_pipeline
 
     root = tmp_path_factory.mktemp("parallel-families")
@@ -48,6 +51,8 @@ def dirs(wan22_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str,
         "wan_i2v": save_tiny_wan_i2v_pipeline(root / "i2v"),
         "ti2v": save_tiny_wan_i2v_pipeline(root / "ti2v", variant="ti2v"),
         "hunyuan": save_tiny_hunyuan_pipeline(root / "hunyuan"),
+        "flux": save_tiny_flux_pipeline(root / "flux"),
+        "ltx": save_tiny_ltx_pipeline(root / "ltx"),
     }
 
 
@@ -57,13 +62,24 @@ CASES = [
     ("wan_i2v", DenoiseLayout(ring=2), dict(VIDEO, image=circle("red"), num_inference_steps=3, guidance_scale=5.0)),
     ("wan_i2v", DenoiseLayout(cfg=2), dict(VIDEO, image=circle("red"), num_inference_steps=3, guidance_scale=5.0)),
     ("hunyuan", DenoiseLayout(ulysses=2), dict(VIDEO, num_inference_steps=3, true_cfg_scale=3.0)),
+    # packed (B, S, C) latents: CFG rows exchange whole predictions
+    ("flux", DenoiseLayout(cfg=2), dict(IMAGE, num_inference_steps=3, true_cfg_scale=3.0)),
+    ("ltx", DenoiseLayout(cfg=2), dict(VIDEO, width=64, num_inference_steps=3, guidance_scale=3.0)),
 ]
 
 
 @pytest.mark.parametrize(
     ("name", "layout", "call"),
     CASES,
-    ids=["wan22-ulysses2", "wan22-cfg2", "wan_i2v-ring2", "wan_i2v-cfg2", "hunyuan-ulysses2-truecfg"],
+    ids=[
+        "wan22-ulysses2",
+        "wan22-cfg2",
+        "wan_i2v-ring2",
+        "wan_i2v-cfg2",
+        "hunyuan-ulysses2-truecfg",
+        "flux-cfg2-truecfg",
+        "ltx-cfg2",
+    ],
 )
 def test_family_parallel_matches_one_process(
     dirs: dict[str, Path], name: str, layout: DenoiseLayout, call: dict[str, Any]
