@@ -139,11 +139,73 @@ def tiny_local(calibration: Path | None) -> dict[str, Any]:
     }
 
 
+def measured_latency(placement: dict[str, Any], requests: int) -> dict[str, Any]:
+    """One request at a time through ``mmpipe serve``'s engine with ``placement`` (the tiny preset,
+    the default request): the median of the requests' latencies from submission to frames, after a
+    warm-up request."""
+    import statistics
+    import tempfile
+    import time
+
+    from mmpipe.config import ServeConfig
+    from mmpipe.serve.engine import Engine
+    from mmpipe.serve.protocol import GenerationRequest
+
+    den = placement["denoise"]
+    layout = {k: den.get(k, 1) for k in ("cfg", "ulysses", "ring")} if isinstance(den, dict) else None
+    if isinstance(den, dict) and layout == {"cfg": 1, "ulysses": 1, "ring": 1} and len(den["ranks"]) == 1:
+        placement = {"text": den["ranks"], "denoise": den["ranks"], "decode": den["ranks"]}
+    times = []
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = ServeConfig(run_dir=tmp, port=0, placement=placement, threads=0, max_batch=1)
+        with Engine(cfg) as engine:
+            for i in range(requests + 1):
+                start = time.perf_counter()
+                job = engine.submit(GenerationRequest(prompt="a red circle moving left", seed=i))
+                while not job.status.done:
+                    time.sleep(0.005)
+                assert job.status.value == "completed", job.error
+                if i:
+                    times.append(time.perf_counter() - start)
+    return {"placement": placement, "latency_s": statistics.median(times), "latencies_s": times}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calibration", type=Path, default=None, help="a `mmpipe profile` file for the local rows")
+    parser.add_argument("--measure", type=int, default=0, help="serve this many requests per plan and compare")
     args = parser.parse_args()
     results = {"hunyuan_8xh100": hunyuan(), "t2v_tiny_local": tiny_local(args.calibration)}
+    if args.measure:
+        t = results["t2v_tiny_local"]
+        rows = []
+        for name, placement, predicted in [
+            ("planner, 2 ranks", t["placement"], t["latency_s"]),
+            ("one rank", {"denoise": {"ranks": [0]}}, t["latency_1rank_s"]),
+            # hand-written alternatives on the same 2 ranks (no prediction asked of the planner)
+            ("hand: Ulysses-2 replica", {"denoise": {"ranks": [0, 1], "ulysses": 2}}, None),
+            ("hand: ring-2 replica", {"denoise": {"ranks": [0, 1], "ring": 2}}, None),
+            (
+                "hand: serve's CPU default (2 step-batched groups)",
+                {"text": [0], "denoise": [0, 1], "decode": [0, 1]},
+                None,
+            ),
+        ]:
+            got = measured_latency(placement, args.measure) | {"plan": name}
+            if predicted is not None:
+                got |= {
+                    "predicted_s": predicted,
+                    "predicted_vs_measured": predicted / got["latency_s"],
+                    "within_25pct": abs(predicted / got["latency_s"] - 1) <= 0.25,
+                }
+            rows.append(got)
+        hand = [r for r in rows if r["plan"].startswith("hand")]
+        best = min(hand, key=lambda r: r["latency_s"])
+        t["measured"] = rows
+        t["planner_vs_best_hand_written"] = {
+            "best_hand_written": best["plan"],
+            "ratio": rows[0]["latency_s"] / best["latency_s"],  # < 1: the planner's choice is faster
+        }
     h = results["hunyuan_8xh100"]
     print(
         f"HunyuanVideo 720p x 129, 50 steps, 8x H100: predicted {h['latency_1gpu_s']:.0f} s -> "
