@@ -93,3 +93,37 @@ def test_bad_replica_placements_are_refused_before_any_worker(
     with pytest.raises(ValueError, match=match):
         Engine(_config(tiny_wan_dir, tmp_path / "run", placement, **more))
     assert not (tmp_path / "run" / "events").exists()
+
+
+def test_placement_auto_serves_the_planners_choice(tmp_path: Path) -> None:
+    """``placement=auto`` (the tiny preset): the serving planner's placement for this machine's
+    cores, then a request completes on it; a source the planner does not plan is refused first."""
+    import os
+
+    from mmpipe.assemble.serve_planning import serving_placement
+    from mmpipe.config import DataConfig, ModelConfig
+    from mmpipe.serve.protocol import GenerationRequest
+
+    cfg = ServeConfig(run_dir=str(tmp_path / "run"), port=0, threads=1, placement="auto", **SIZE)
+    expected, _ = serving_placement(
+        ModelConfig(), DataConfig(frames=9, height=32, width=48), nproc=os.cpu_count() or 1, steps=3, guidance=4.0
+    )
+    with Engine(cfg) as engine:
+        placed = engine.cfg.placement
+        assert isinstance(placed, dict)
+        den = expected["denoise"]
+        if isinstance(den, dict):  # a replica placement: text and decode on each replica's first rank
+            assert engine.replicas and [list(r) for r in engine.replicas] == [den["ranks"]]
+        else:
+            assert placed == expected
+        job = engine.submit(
+            GenerationRequest(prompt="a red circle moving left", height=32, width=48, frames=9, steps=3)
+        )
+        import time
+
+        deadline = time.monotonic() + 120
+        while not job.status.done and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert job.status.value == "completed", job.error
+    with pytest.raises(ValueError, match="placement=auto plans the model preset"):
+        Engine(ServeConfig(pipeline=str(tmp_path), run_dir=str(tmp_path / "r2"), placement="auto"))

@@ -1,0 +1,82 @@
+"""``mmpipe generate nproc=2``: one request over two local ranks writes the frames one process
+writes (CFG-2 bitwise, Ulysses-2 with the decode split by rows within one uint8 level), with a
+step cache too; placements that cannot run are refused before any rank starts or anything is
+written, naming the key."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from mmpipe.config import GenerateConfig, StepCacheConfig
+from mmpipe.generate import generate
+
+SMALL = dict(steps=3, frames=9, height=48, width=64, device="cpu")
+
+
+def _frames(gif: Path) -> np.ndarray:
+    with Image.open(gif) as im:
+        out = []
+        for i in range(im.n_frames):
+            im.seek(i)
+            out.append(np.asarray(im.convert("RGB"), dtype=np.int16))
+    return np.stack(out)
+
+
+def _run(path: Path, out: Path, **kw: Any) -> np.ndarray:
+    written = generate(GenerateConfig(pipeline=str(path), out=str(out), **(SMALL | kw)))
+    return _frames(written["gif"])
+
+
+@pytest.mark.parametrize(
+    ("placement", "cache", "tol"),
+    [
+        (None, "none", 0),  # the default on 2 ranks with guidance on: CFG-2, bitwise
+        ({"text": [1], "denoise": {"ranks": [0, 1], "ulysses": 2}, "decode": [0, 1]}, "none", 1),
+        ({"text": [0], "denoise": {"ranks": [0, 1], "cfg": 2}, "decode": [1]}, "teacache", 0),
+    ],
+    ids=["default-cfg2", "ulysses2-decode-rows", "cfg2-teacache-decode-on-rank1"],
+)
+def test_two_ranks_write_one_process_frames(
+    tiny_wan_dir: Path, tmp_path: Path, placement: dict[str, Any] | None, cache: str, tol: int
+) -> None:
+    one = _run(tiny_wan_dir, tmp_path / "one", cache=StepCacheConfig(policy=cache))
+    two = _run(tiny_wan_dir, tmp_path / "two", nproc=2, placement=placement, cache=StepCacheConfig(policy=cache))
+    assert two.shape == one.shape
+    assert np.abs(two - one).max() <= tol
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (["nproc=2", "guidance=1.0", "placement={denoise:{ranks:[0,1],cfg:2}}"], "cfg=2 runs the two guidance"),
+        (["nproc=2", "placement={denoise:{ranks:[0,1],ulysses:3}}"], r"ulysses=3 = 3 ranks"),
+        (["nproc=3", "placement={denoise:{ranks:[0,1,2],ulysses:3}}"], "heads cannot be split over ulysses=3"),
+        (["nproc=2", "placement={denoise:{ranks:[0,1],ulysses:2}}", "frames=1"], "at least one frame"),
+        (["nproc=2", "placement={denoise:{ranks:[0,1],ulysses:2}}", "cache.policy=first_block"], "first_block"),
+        (["nproc=2", "placement={denoise:{ranks:[0,1],cfg:2,dp:2}}"], "dp=2: one request"),
+        (["nproc=3", "placement={denoise:{ranks:[0,1],cfg:2}}"], "rank 2 of nproc=3 runs no stage"),
+        (["nproc=2", "placement={denoise:{ranks:[0,1],cfg:2},decode:{ranks:[0,1],halo:2}}"], "only a split by frames"),
+        (["cache.policy=fast"], "cache.policy='fast'"),
+    ],
+)
+def test_bad_parallel_generate_exits_2_naming_the_key(
+    tiny_wan_dir: Path, tmp_path: Path, args: list[str], match: str
+) -> None:
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [sys.executable, "-m", "mmpipe.cli", "generate", f"pipeline={tiny_wan_dir}", f"out={out}", "device=cpu", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert re.search(match, done.stderr), done.stderr[-2000:]
+    assert not out.exists()
