@@ -80,3 +80,11 @@ def test_bad_parallel_generate_exits_2_naming_the_key(
     assert done.returncode == 2, done.stderr[-3000:]
     assert re.search(match, done.stderr), done.stderr[-2000:]
     assert not out.exists()
+
+
+def test_compile_renders_within_one_level_of_eager(tiny_wan_dir: Path, tmp_path: Path) -> None:
+    """``compile=true``: the denoiser's blocks compiled in place (regional compilation); inductor's
+    fused kernels reassociate float32 sums, so the frames stay within one uint8 level of eager."""
+    eager = _run(tiny_wan_dir, tmp_path / "eager")
+    compiled = _run(tiny_wan_dir, tmp_path / "compiled", compile=True)
+    assert np.abs(compiled - eager).max() <= 1
