@@ -19,7 +19,7 @@
 # Then `run(command="bash benchmarks/gpu_checks.sh train generate pipeline probe tests", carry=[".whl"],
 # timeout_s=600)` and, within the 30 s the machine stays warm, `... gpu_checks.sh serve` (issue 29:
 # about 6 + 4 minutes on an H200). Arguments pick steps, run in the order given; `kernels` and
-# `memory` are the kernel and memory benchmarks of issues 6 and 7. TRAIN_ARGS and GENERATE_ARGS pass
+# `memory` are the kernel and memory benchmarks of issues 6 and 7, `fast` issue 33's caches and compile. TRAIN_ARGS and GENERATE_ARGS pass
 # options to those benchmarks (`TRAIN_ARGS="--profile --compile"`: top kernels a side, regional compile). Each step has its own time limit,
 # and a benchmark killed at its limit prints the JSON of what it measured. What comes back:
 # $OUT/log.txt (every step's output) and $OUT/results.jsonl (each benchmark's JSON line).
@@ -27,8 +27,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 STEPS="${*:-train generate pipeline probe tests serve}"
 for step in $STEPS; do
-    case $step in tests | pipeline | probe | train | generate | serve | kernels | memory) ;;
-    *) echo "gpu_checks.sh: unknown step '$step' (tests, pipeline, probe, train, generate, serve, kernels, memory)"; exit 2 ;;
+    case $step in tests | pipeline | probe | train | generate | serve | kernels | memory | fast) ;;
+    *) echo "gpu_checks.sh: unknown step '$step' (tests, pipeline, probe, train, generate, serve, kernels, memory, fast)"; exit 2 ;;
     esac
 done
 OUT="${OUT:-gpu-out}"
@@ -80,6 +80,8 @@ for step in $STEPS; do
     kernels) bench kernels 170 ;;
     # the memory benchmark where a step is bound by compute (a cap at 16k tokens), with the curve
     memory) bench memory 240 --device cuda --cap-frames 64 --max-frames 192 --frame-step 32 --reps 5 --curve ;;
+    # issue 33: step caches and regional compile of generate, Wan2.1-1.3B at 480p (rehearsed on CPU with --tiny)
+    fast) bench gpu_fast_generation 280 ;;
     esac
 done
 echo "== done $(date +%T), status $status" | tee -a "$OUT/log.txt"

@@ -758,7 +758,7 @@ class StepCache:
     def _install(self, model: nn.Module, steps: int) -> None:
         ratios = self.mag_ratios or self._measured.get((id(model), steps))
         want = CacheConfig(policy=self.policy, threshold=self.threshold, num_inference_steps=steps, mag_ratios=ratios)
-        if getattr(model, _CONFIG_ATTR, None) == want:
+        if getattr(model, _CONFIG_ATTR, None) == want and installed_cache(model) is not None:
             return
         remove_cache(model)
         apply_cache(model, want)
