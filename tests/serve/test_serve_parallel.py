@@ -127,3 +127,42 @@ def test_placement_auto_serves_the_planners_choice(tmp_path: Path) -> None:
         assert job.status.value == "completed", job.error
     with pytest.raises(ValueError, match="placement=auto plans the model preset"):
         Engine(ServeConfig(pipeline=str(tmp_path), run_dir=str(tmp_path / "r2"), placement="auto"))
+
+
+def test_whole_request_replicas_run_the_step_cache(tiny_wan_dir: Path, tmp_path: Path) -> None:
+    """``cache.policy`` in serving: replicas of one rank (``dp: 2``) run whole requests with the
+    denoiser's step cache, and a request's frames are offline ``generate``'s with the same cache."""
+    from mmpipe.config import StepCacheConfig
+    from mmpipe.runtime.inference import configure_denoiser
+    from mmpipe.serve.protocol import GenerationRequest
+
+    cache = StepCacheConfig(policy="teacache", threshold=0.5)
+    placement = {"denoise": {"ranks": [0, 1], "dp": 2}}
+    with Engine(_config(tiny_wan_dir, tmp_path / "run", placement, cache=cache)) as engine:
+        assert engine.replicas == [(0,), (1,)]
+        job = engine.submit(
+            GenerationRequest(
+                prompt="a red circle moving left", height=32, width=48, frames=9, steps=3, guidance=4.0, seed=2
+            )
+        )
+        import time
+
+        deadline = time.monotonic() + 120
+        while not job.status.done and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert job.status.value == "completed", job.error
+        assert job.frames is not None
+    graph = from_diffusers(tiny_wan_dir, max_sequence_length=16)
+    configure_denoiser(graph, cache, compile=False)
+    offline = graph.generate(
+        prompt="a red circle moving left",
+        height=32,
+        width=48,
+        num_frames=9,
+        num_inference_steps=3,
+        guidance_scale=4.0,
+        seed=2,
+        progress=False,
+    )
+    diff = np.abs(job.frames.astype(int) - frames_to_uint8(offline[0]).astype(int))
+    assert diff.max() <= 1, diff.max()
