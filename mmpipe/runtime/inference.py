@@ -76,14 +76,17 @@ def place_inference_graph(graph: Graph, placement: InferencePlacement, *, device
         stages["decode"].parallelize(group.group, split=placement.decode_split, halo=placement.decode_halo)
 
 
-def place_replica(graph: Graph, group: DenoiseGroup) -> None:
+def place_replica(graph: Graph, group: DenoiseGroup, *, parallel_decode: bool = False) -> None:
     """A serving replica of ``group``'s ranks running whole requests: the prompt encoded on its
     first rank (the leader) and broadcast to the others, the denoiser over all of them; the leader
-    decodes (the others run ``generate(..., output_type="latent")``)."""
+    decodes (the others run ``generate(..., output_type="latent")``), or with ``parallel_decode``
+    every rank decodes its band of rows (:mod:`mmpipe.parallel.vae_patch`)."""
     stages: Any = graph.stages
     stages["denoise"].parallelize(group)
     if len(group.ranks) > 1:
         graph.hosts["text"] = BroadcastHost(group.ranks[0], group=group.group)
+    if parallel_decode:
+        stages["decode"].parallelize(group.group, split="rows")
 
 
 def configure_denoiser(graph: Any, cache: StepCacheConfig, *, compile: bool) -> None:

@@ -181,6 +181,7 @@ class Engine:
         #: mapping): each replica's ranks, and the layout of one
         self.replicas: list[tuple[int, ...]] = []
         self.layout: DenoiseLayout | None = None
+        self.parallel_decode = False  # placement.decode names every replica rank
         cfg = self._placed(cfg)
         self.cfg = cfg
         self.world = max(cfg.groups, 1 + max((r for ranks in self.replicas for r in ranks), default=0))
@@ -233,13 +234,17 @@ class Engine:
             self.layout, self.replicas = parse_denoise_replicas(den)
             leaders = [ranks[0] for ranks in self.replicas]
             assert cfg.placement is not None
+            every = sorted(r for ranks in self.replicas for r in ranks)
             for stage in ("text", "decode"):
                 given = cfg.placement.get(stage)
                 given = [given] if isinstance(given, int) else given
-                if given is not None and sorted(given) != sorted(leaders):
+                if stage == "decode" and given is not None and sorted(given) == every and len(every) > len(leaders):
+                    self.parallel_decode = True  # each replica's ranks decode its videos by row bands
+                elif given is not None and sorted(given) != sorted(leaders):
+                    also = f", or every denoise rank {every} (a decode split by rows)" if stage == "decode" else ""
                     raise ValueError(
                         f"placement.{stage}={given}: each replica of placement.denoise runs its requests' "
-                        f"{stage} on its first rank: {leaders} (or leave placement.{stage} out)"
+                        f"{stage} on its first rank: {leaders}{also} (or leave placement.{stage} out)"
                     )
             return dataclasses.replace(cfg, placement={s: list(leaders) for s in ("text", "denoise", "decode")})
         if self.cfg_needs_whole(cfg):
@@ -302,9 +307,8 @@ class Engine:
             root = pipeline_dir(load_run_config(Path(self._spec["ckpt"])).model, Path(self._spec["ckpt"]))
         else:
             root = Path(self._spec["pipeline"])
-        placement = InferencePlacement(
-            self.world, self.replicas[0][0], self.replicas[0], self.layout, self.replicas[0][:1]
-        )
+        decode = self.replicas[0] if self.parallel_decode else self.replicas[0][:1]
+        placement = InferencePlacement(self.world, self.replicas[0][0], self.replicas[0], self.layout, decode)
         check_placement_for_model(placement, root, latent_frames_of(root, cfg.frames), cache_policy=cfg.cache.policy)
 
     @property
@@ -357,6 +361,7 @@ class Engine:
             "cache": dataclasses.asdict(cfg.cache),
             "replicas": [list(r) for r in self.replicas],
             "layout": dataclasses.asdict(self.layout) if self.layout is not None else None,
+            "parallel_decode": self.parallel_decode,
         }
         outbox, inboxes = ctx.Queue(), [ctx.Queue() for _ in range(world)]
         workers = [
@@ -704,7 +709,7 @@ def _worker_main(
                 if made.member:
                     replica = made
             assert replica is not None
-            place_replica(graph, replica)
+            place_replica(graph, replica, parallel_decode=options["parallel_decode"])
         configure_denoiser(graph, StepCacheConfig(**options["cache"]), compile=options["compile"])
         worker = _GroupWorker(
             group, init["world"], graph, options, inbox, outbox, Path(init["run_dir"]), device, replica=replica
@@ -777,6 +782,7 @@ class _GroupWorker:
         self.group, self.world, self.graph, self.device = group, world, graph, device
         #: the parallel replica this group is a rank of (None: it runs requests alone)
         self.replica = replica
+        self.parallel_decode: bool = options.get("parallel_decode", False)
         self.inbox, self.outbox = inbox, outbox
         self.max_batch: int = options["max_batch"]
         self.max_wait = options["max_wait_ms"] / 1e3
@@ -961,9 +967,10 @@ class _GroupWorker:
             if box[0][0] == "stop":
                 return
             _, call, seed = box[0]
+            output = "np" if self.parallel_decode else "latent"  # decode bands with the leader, or stop before
             try:
                 with torch.no_grad():
-                    self.graph.generate(**call, seed=seed, output_type="latent", progress=False)
+                    self.graph.generate(**call, seed=seed, output_type=output, progress=False)
             except Exception as err:  # the leader fails the request (it raised the same there)
                 logger.warning("replica request failed: %s", err)
 

@@ -30,7 +30,8 @@ def _config(path: Path, run_dir: Path, placement: dict[str, Any], **more: Any) -
 
 @pytest.fixture(scope="module")
 def served(tiny_wan_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engine, str]]:
-    placement = {"denoise": {"ranks": [0, 1], "ulysses": 2}}
+    # the example on 2 ranks: text on the leader, the denoiser and the decode over both
+    placement = {"text": [0], "denoise": {"ranks": [0, 1], "ulysses": 2}, "decode": [0, 1]}
     engine = Engine(_config(tiny_wan_dir, tmp_path_factory.mktemp("serve-sp"), placement))
     try:
         with running_server(engine) as url:
@@ -41,7 +42,7 @@ def served(tiny_wan_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
 
 def test_ulysses_replica_video_equals_offline_generate(served: tuple[Engine, str], tiny_wan_dir: Path) -> None:
     engine, url = served
-    assert engine.replicas == [(0, 1)] and engine.world == 2
+    assert engine.replicas == [(0, 1)] and engine.world == 2 and engine.parallel_decode
     assert "denoise over ranks [0, 1] (ulysses=2)" in engine.placement_text()
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
     for seed in (3, 4):  # two requests in a row: the replica's ranks stay in step
@@ -77,6 +78,7 @@ def test_ulysses_replica_video_equals_offline_generate(served: tuple[Engine, str
         ({"denoise": {"ranks": [0, 1], "ulysses": 3}}, {}, r"ulysses=3 .* 3 ranks"),
         ({"denoise": {"ranks": [0, 1, 2], "ulysses": 3}}, {}, "attention heads cannot be split over ulysses=3"),
         ({"denoise": {"ranks": [0, 1], "ulysses": 2}, "text": [1]}, {}, r"placement.text=\[1\]"),
+        ({"denoise": {"ranks": [0, 1, 2, 3], "cfg": 2, "dp": 2}, "decode": [0, 1, 2]}, {}, r"decode=\[0, 1, 2\]"),
         ({"denoise": {"ranks": [0, 1], "ulysses": 2}}, {"frames": 1}, "at least one frame"),
         ({"denoise": {"ranks": [0, 1], "ulysses": 2}}, {"cache": {"policy": "first_block"}}, "first_block"),
         ({"denoise": {"ranks": [0, 1], "sp": 2}}, {}, r"placement.denoise.sp"),
