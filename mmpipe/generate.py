@@ -1,5 +1,6 @@
 """``mmpipe generate``: a prompt -> a GIF and an MP4 (a PNG for image families), with the DiT of a
-trained run (``ckpt=RUN_DIR``) or any supported diffusers pipeline directory (``pipeline=DIR``).
+trained run (``ckpt=RUN_DIR``; an image-to-video run takes its first frame, ``image=FILE``) or any
+supported diffusers pipeline directory (``pipeline=DIR``).
 
 ``device=cpu`` computes in float32 as the run was saved; ``device=cuda`` (or ``auto`` on a GPU
 machine) loads the pipeline onto the GPU in diffusers' Wan precision (bf16 text encoder and DiT,
@@ -9,6 +10,7 @@ run's ``model.kernels`` for CUDA (``auto``: mmpipe's Triton kernels).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -87,9 +89,13 @@ def _checked_run(cfg: GenerateConfig) -> tuple[Path, Path]:
     assert cfg.ckpt is not None  # GenerateConfig.__post_init__ requires one of them
     run_dir = Path(cfg.ckpt)
     check_trained_run(run_dir)
-    if cfg.image is not None:
-        raise ValueError(f"image={cfg.image!r}: a trained run is text-to-video; image is for pipeline=DIR")
-    return run_dir, pipeline_dir(load_run_config(run_dir).model, run_dir)
+    root = pipeline_dir(load_run_config(run_dir).model, run_dir)
+    i2v = json.loads((root / "model_index.json").read_text()).get("_class_name") == "WanImageToVideoPipeline"
+    if cfg.image is not None and not i2v:
+        raise ValueError(f"image={cfg.image!r}: the trained run is text-to-video; image is for image-to-video runs")
+    if cfg.image is None and i2v:
+        raise ValueError(f"ckpt={cfg.ckpt!r} trained WanImageToVideoPipeline: give its first frame, image=FILE")
+    return run_dir, root
 
 
 def _prepare(cfg: GenerateConfig, device: DeviceType) -> tuple[Any, dict[str, Any], Path, bool]:
@@ -108,6 +114,8 @@ def _prepare(cfg: GenerateConfig, device: DeviceType) -> tuple[Any, dict[str, An
         "num_inference_steps": cfg.steps,
         "guidance_scale": cfg.guidance,
     }
+    if cfg.image is not None:  # an image-to-video run (checked by _checked_run)
+        call["image"] = Image.open(cfg.image).convert("RGB")
     return graph, call, Path(cfg.out) if cfg.out else run_dir / "samples", True
 
 

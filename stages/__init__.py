@@ -9,7 +9,9 @@ from mmpipe.stages.dit import (
     HunyuanVideoDiTFlowMatchingStage,
     LTXDiTFlowMatchingStage,
     WanDiTFlowMatchingStage,
+    WanI2VDiTFlowMatchingStage,
 )
+from mmpipe.stages.multimodal import CLIPImageEncoderStage
 from mmpipe.stages.sampler import DenoiseStage
 from mmpipe.stages.text import (
     CausalLMTextEncoderStage,
@@ -23,11 +25,13 @@ from mmpipe.stages.vae import (
     CogVideoXVAEEncodeStage,
     HunyuanVAEEncodeStage,
     LTXVAEEncodeStage,
+    WanI2VVAEEncodeStage,
     WanVAEDecodeStage,
     WanVAEEncodeStage,
 )
 
 __all__ = [
+    "CLIPImageEncoderStage",
     "CausalLMTextEncoderStage",
     "CogVideoXDiTStage",
     "CogVideoXT5TextEncoderStage",
@@ -42,6 +46,8 @@ __all__ = [
     "T5TextEncoderStage",
     "TextEncoderStage",
     "WanDiTFlowMatchingStage",
+    "WanI2VDiTFlowMatchingStage",
+    "WanI2VVAEEncodeStage",
     "WanVAEDecodeStage",
     "WanVAEEncodeStage",
 ]

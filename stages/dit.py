@@ -9,6 +9,10 @@ reproduce an uninterrupted single-process run bit for bit. A stage may train on 
 noise range only (``sigma_range``): each expert of Wan 2.2's two-expert DiT trains on the timesteps
 the sampler gives it (the high-noise expert from ``boundary_ratio`` up, the low-noise one below).
 
+Wan 2.1 image-to-video's DiT (:class:`WanI2VDiTFlowMatchingStage`) trains with the same objective
+on the latents, the first frame's condition concatenated on the channel axis and CLIP's image
+embeddings beside the text, as ``WanImageToVideoPipeline`` calls it.
+
 HunyuanVideo's DiT (``HunyuanVideoTransformer3DModel``) trains with the same objective and the same
 draw; it additionally takes a text mask and a pooled text vector: the real ones (CLIP's pooled
 vector and the Llama mask, from a ``HunyuanVideoPipeline`` directory's text stage) or, for the
@@ -20,7 +24,8 @@ CogVideoX's DiT (``CogVideoXTransformer3DModel``, :class:`CogVideoXDiTStage`) tr
 objective instead: DDPM-style v-prediction on the pipeline scheduler's ``alphas_cumprod``, as
 diffusers' CogVideoX training example does.
 
-Legend: B batch, Z latent channels, t/h/w latent frames/height/width, L text tokens, D text dim.
+Legend: B batch, Z latent channels, C a DiT's input channels (I2V: latents and condition), t/h/w
+latent frames/height/width, L text tokens, D text dim.
 """
 
 from __future__ import annotations
@@ -282,6 +287,63 @@ class WanDiTFlowMatchingStage(FlowMatchingDiTStage):
             hidden_states=xs_BZthw.to(dtype),
             timestep=timestep_B,
             encoder_hidden_states=context_BLD.to(dtype),
+            return_dict=False,
+        )[0]
+
+
+class WanI2VDiTFlowMatchingStage(WanDiTFlowMatchingStage):
+    """``latents, context, condition, image_embeds -> loss``: the Wan 2.1 image-to-video DiT
+    (``WanTransformer3DModel`` with an ``image_dim``), trained like the text-to-video one.
+
+    The module sees ``cat([noisy latents, condition])`` on the channel axis, ``condition`` ``(B, S + Z,
+    t, h, w)`` being the first-frame mask and the first frame's latents of
+    :class:`~mmpipe.stages.WanI2VVAEEncodeStage`, and the CLIP embeddings ``image_embeds`` ``(B, N,
+    D)`` as ``encoder_hidden_states_image``: ``WanImageToVideoPipeline``'s call of its transformer.
+    The target is the velocity of the ``Z`` latent channels only (the module's ``out_channels``).
+    Sequence parallel, the condition is split by frames like the latents (its frames are theirs).
+    """
+
+    sequence_inputs = {"latents": 2, "condition": 2}
+
+    def __init__(self, name: str, source: ModuleSource, **kw: Any) -> None:
+        super().__init__(name, source, **kw)
+        cfg = source.config
+        if cfg.image_dim is None:
+            raise ValueError(
+                f"stage {name!r}: the transformer has no image_dim (no CLIP image embeddings: a Wan 2.2 "
+                "expert); the image-to-video training stage is Wan 2.1 I2V's"
+            )
+        if cfg.in_channels <= cfg.out_channels:
+            raise ValueError(
+                f"stage {name!r}: in_channels={cfg.in_channels} leaves no condition channels beside "
+                f"out_channels={cfg.out_channels} latent channels"
+            )
+
+    @property
+    def inputs(self) -> Mapping[str, TensorSpec]:
+        cfg = self.source.config
+        return {
+            "latents": TensorSpec(("B", cfg.out_channels, "t", "h", "w"), torch.float32),
+            "context": TensorSpec(("B", "L", cfg.text_dim)),
+            "condition": TensorSpec(("B", cfg.in_channels - cfg.out_channels, "t", "h", "w"), torch.float32),
+            "image_embeds": TensorSpec(("B", "N", cfg.image_dim)),
+        }
+
+    def predict(
+        self,
+        module: nn.Module,
+        xs_BZthw: torch.Tensor,
+        timestep_B: torch.Tensor,
+        context_BLD: torch.Tensor,
+        inputs: Mapping[str, Any],
+    ) -> torch.Tensor:
+        dtype = cast(torch.dtype, module.dtype)  # diffusers ModelMixin.dtype
+        x_BCthw = torch.cat([xs_BZthw, inputs["condition"]], dim=1)  # as WanImageToVideoPipeline.__call__
+        return module(
+            hidden_states=x_BCthw.to(dtype),
+            timestep=timestep_B,
+            encoder_hidden_states=context_BLD.to(dtype),
+            encoder_hidden_states_image=inputs["image_embeds"].to(dtype),
             return_dict=False,
         )[0]
 

@@ -1,26 +1,29 @@
 """Stages of an understand-then-generate pipeline: a frozen vision tower, a trainable LLM reading
-image and text tokens, and a trainable connector from the LLM's hidden states to the DiT's context.
+image and text tokens, and a trainable connector from the LLM's hidden states to the DiT's context;
+and the frozen CLIP image encoder of image-to-video pipelines (:class:`CLIPImageEncoderStage`, Wan
+2.1 I2V's ``image_encoder``), with its ``image_processor``'s steps on tensors (:class:`ImageProcessing`).
 
 The vision tower is an unmodified transformers ``SiglipVisionModel``; the LLM stage is a
 transformers base model (``Qwen2Model``, ``LlamaModel``) fed ``inputs_embeds`` that prepend the
 projected image tokens to the text embeddings. Each lives in its own sub-directory of the
 pipeline directory (``vision/``, ``llm/lm``, ``llm/projector.safetensors``, ``connector/``).
 
-Legend: B batch, N image tokens, L text tokens, V vision width, H LLM width, D DiT context width.
+Legend: B batch, N image tokens, L text tokens, V vision width, H LLM width, D DiT context width
+(CLIP's width for the CLIP stage), T/H/W video frames/height/width (the ``H`` of pixels).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import AutoConfig, AutoModel, SiglipVisionModel
+from transformers import AutoConfig, AutoImageProcessor, AutoModel, CLIPVisionModel, SiglipVisionModel
 
 from mmpipe.graph import Capabilities, TensorSpec
 from mmpipe.parallel.attention import select_backend
@@ -246,3 +249,179 @@ class ConnectorStage(SourcedStage):
         context_BSD = module(inputs["hidden"])
         keep = inputs["mask"].bool().unsqueeze(-1)
         return {"context": torch.where(keep, context_BSD, context_BSD.new_zeros(()))}
+
+
+# ---- CLIP image encoder (image-to-video) ------------------------------------------------------------
+
+_PIL_PRECISION_BITS = 22  # Pillow's Resample.c at 8 bits a channel: 32 - 8 - 2
+
+
+def _pil_filter(resample: int) -> tuple[float, Callable[[float], float]]:
+    """Pillow's resampling filter ``(support, kernel)`` of a ``PIL.Image.Resampling`` value."""
+
+    def bilinear(x: float) -> float:
+        x = abs(x)
+        return 1.0 - x if x < 1.0 else 0.0
+
+    def bicubic(x: float) -> float:  # Pillow's a = -0.5
+        x = abs(x)
+        if x < 1.0:
+            return (1.5 * x - 2.5) * x * x + 1
+        if x < 2.0:
+            return (((x - 5) * x + 8) * x - 4) * -0.5
+        return 0.0
+
+    match resample:
+        case 2:
+            return 1.0, bilinear
+        case 3:
+            return 2.0, bicubic
+    raise ValueError(f"resample={resample}: the tensor image steps do Pillow's bilinear (2) and bicubic (3) only")
+
+
+def pil_resample_weights(in_size: int, out_size: int, resample: int) -> torch.Tensor:
+    """Pillow's fixed-point weights ``(out_size, in_size)`` of one resampling pass over an 8-bit
+    image (``precompute_coeffs`` then ``normalize_coeffs_8bpc`` in Pillow's ``Resample.c``, the
+    same double-precision operations in the same order)."""
+    support, kernel = _pil_filter(resample)
+    scale = in_size / out_size
+    filterscale = max(scale, 1.0)
+    support *= filterscale
+    inv = 1.0 / filterscale
+    weights = torch.zeros((out_size, in_size), dtype=torch.float64)
+    for xx in range(out_size):
+        center = (xx + 0.5) * scale
+        xmin = max(int(center - support + 0.5), 0)
+        xmax = min(int(center + support + 0.5), in_size) - xmin
+        w = [kernel((x + xmin - center + 0.5) * inv) for x in range(xmax)]
+        total = 0.0
+        for v in w:
+            total += v
+        for x, v in enumerate(w):
+            v = v / total if total != 0.0 else v
+            weights[xx, xmin + x] = int(v * (1 << _PIL_PRECISION_BITS) + (0.5 if v >= 0 else -0.5))
+    return weights
+
+
+def pil_resize(image_BCHW: torch.Tensor, size: tuple[int, int], resample: int) -> torch.Tensor:
+    """``image`` (an 8-bit image's integer values, in a float dtype) resized to ``size`` ``(height,
+    width)`` exactly as Pillow's ``Image.resize`` resizes the 8-bit image (no ``reducing_gap``): a
+    horizontal then a vertical pass with fixed-point weights, each rounded back to 8 bits. The sums
+    are of integers below 2^53, so float64 computes them exactly in any order."""
+    height, width = image_BCHW.shape[-2:]
+    x = image_BCHW.double()
+    if width != size[1]:
+        x = _pil_pass(x, pil_resample_weights(width, size[1], resample))
+    if height != size[0]:
+        x = _pil_pass(x.transpose(-1, -2), pil_resample_weights(height, size[0], resample)).transpose(-1, -2)
+    return x.to(image_BCHW.dtype)
+
+
+def _pil_pass(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """One pass along the last dim: Pillow's ``ss = (1 << 21) + sum(in * k)``, ``clip8(ss >> 22)``."""
+    ss = x @ weights.to(x.device).T + (1 << (_PIL_PRECISION_BITS - 1))
+    return torch.floor(ss / (1 << _PIL_PRECISION_BITS)).clamp(0, 255)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ImageProcessing:
+    """A CLIP image processor's steps as data, applied to tensors by :meth:`__call__` exactly as
+    ``transformers``' Pillow backend (``CLIPImageProcessorPil``, what ``CLIPImageProcessor`` loads
+    without torchvision) applies them to an 8-bit image: Pillow's resize, a centre crop, the float64
+    rescale cast to float32 and the float32 normalisation. (The torchvision backend resizes with
+    torchvision's own antialiased bicubic, which differs from Pillow's by rounding.)"""
+
+    resize: int | tuple[int, int] | None  # the shorter side (the aspect kept), or (height, width)
+    resample: int  # a PIL.Image.Resampling value
+    crop: tuple[int, int] | None  # (height, width)
+    rescale: float | None
+    mean: tuple[float, ...] | None
+    std: tuple[float, ...] | None
+
+    @classmethod
+    def from_processor(cls, processor: Any) -> ImageProcessing:
+        """The steps a loaded ``CLIPImageProcessor`` is configured to take."""
+        size, crop = processor.size, processor.crop_size
+        resize: int | tuple[int, int] | None = None
+        if processor.do_resize:
+            resize = size.shortest_edge if size.shortest_edge else (size.height, size.width)
+        return cls(
+            resize=resize,
+            resample=int(processor.resample),
+            crop=(crop.height, crop.width) if processor.do_center_crop else None,
+            rescale=float(processor.rescale_factor) if processor.do_rescale else None,
+            mean=tuple(processor.image_mean) if processor.do_normalize else None,
+            std=tuple(processor.image_std) if processor.do_normalize else None,
+        )
+
+    def output_size(self, height: int, width: int) -> tuple[int, int]:
+        """``(height, width)`` after the resize (``get_resize_output_image_size``'s rounding)."""
+        if self.resize is None:
+            return height, width
+        if isinstance(self.resize, tuple):
+            return self.resize
+        short, long = sorted((height, width))
+        new_long = int(self.resize * long / short)
+        return (new_long, self.resize) if width <= height else (self.resize, new_long)
+
+    def __call__(self, image_B3HW: torch.Tensor) -> torch.Tensor:
+        """``image`` (an 8-bit image's integer values, any float dtype) -> ``pixel_values`` float32."""
+        x = image_B3HW.float()
+        size = self.output_size(*x.shape[-2:])
+        if size != tuple(x.shape[-2:]):  # Image.resize to its own size is a copy
+            x = pil_resize(x, size, self.resample)
+        if self.crop is not None:
+            (height, width), (crop_h, crop_w) = x.shape[-2:], self.crop
+            top, left = (height - crop_h) // 2, (width - crop_w) // 2
+            if top < 0 or left < 0:
+                raise ValueError(f"a {height}x{width} image is smaller than the {crop_h}x{crop_w} crop")
+            x = x[..., top : top + crop_h, left : left + crop_w]
+        if self.rescale is not None:
+            x = (x.double() * self.rescale).float()
+        if self.mean is not None and self.std is not None:
+            mean_3, std_3 = (torch.tensor(v, dtype=torch.float32, device=x.device) for v in (self.mean, self.std))
+            x = (x - mean_3.view(-1, 1, 1)) / std_3.view(-1, 1, 1)
+        return x
+
+
+class CLIPImageEncoderStage(SourcedStage):
+    """``video (B, 3, T, H, W) in [-1, 1] -> image_embeds (B, N, D)``: ``WanImageToVideoPipeline.
+    encode_image`` of each clip's first frame, frozen.
+
+    The frame becomes the 8-bit image the pipeline would be given (diffusers' ``pt_to_numpy`` then
+    ``numpy_to_pil``: ``round(clamp(x / 2 + 0.5, 0, 1) * 255)``), goes through the
+    ``image_processor``'s steps (:class:`ImageProcessing`) and the CLIP vision tower; the embeddings
+    are its penultimate hidden states (``hidden_states[-2]``), as the pipeline takes them.
+    """
+
+    kind = "image_encoder"
+    model_cls = CLIPVisionModel
+    capabilities = Capabilities(offload=True)
+
+    def __init__(self, name: str, source: ModuleSource, *, processing: ImageProcessing) -> None:
+        super().__init__(name, source, frozen=True)
+        self.processing = processing
+        cfg = source.config
+        self.num_tokens = (cfg.image_size // cfg.patch_size) ** 2 + 1  # the patches and the class token
+
+    @classmethod
+    def from_pipeline_dir(cls, name: str, root: Path) -> CLIPImageEncoderStage:
+        """The pipeline directory's ``image_encoder`` (loaded lazily) and ``image_processor``."""
+        processor = AutoImageProcessor.from_pretrained(root / "image_processor")  # the class the pipeline loads
+        return cls.from_pretrained(name, root / "image_encoder", processing=ImageProcessing.from_processor(processor))
+
+    @property
+    def inputs(self) -> Mapping[str, TensorSpec]:
+        return {"video": TensorSpec(("B", 3, "T", "H", "W"), torch.float32)}
+
+    @property
+    def outputs(self) -> Mapping[str, TensorSpec]:
+        return {"image_embeds": TensorSpec(("B", self.num_tokens, self.source.config.hidden_size))}
+
+    def forward(self, module: nn.Module, inputs: Mapping[str, Any], **options: Any) -> dict[str, Any]:
+        frame_B3HW = inputs["video"][:, :, 0].float()
+        image_B3HW = ((frame_B3HW / 2 + 0.5).clamp(0, 1) * 255).round()
+        pixels_B3SS = self.processing(image_B3HW)
+        dtype = next(module.parameters()).dtype
+        out = module(pixel_values=pixels_B3SS.to(dtype), output_hidden_states=True)
+        return {"image_embeds": out.hidden_states[-2]}

@@ -2,7 +2,8 @@
 
 Latents are normalised exactly as the Wan pipelines do: ``(z - mean) / std`` per channel on encode
 (``WanImageToVideoPipeline.prepare_latents``) and ``z * std + mean`` before decode
-(``WanPipeline.__call__``).
+(``WanPipeline.__call__``). Wan 2.1 image-to-video training encodes each clip twice
+(:class:`WanI2VVAEEncodeStage`): the clip, and the pipeline's first-frame condition.
 
 HunyuanVideo latents are only scaled: ``z * scaling_factor`` on encode (the image-to-video and
 framepack pipelines' ``prepare_latents``), ``z / scaling_factor`` before decode
@@ -75,6 +76,43 @@ class WanVAEEncodeStage(_WanVAEStage):
         z_BZthw = vae.encode(video_B3THW).latent_dist.mode().float()
         mean, inv_std = self._mean_std(z_BZthw)
         return {"latents": (z_BZthw - mean) * inv_std}
+
+
+class WanI2VVAEEncodeStage(WanVAEEncodeStage):
+    """``video (B, 3, T, H, W) in [-1, 1] -> latents (B, Z, t, h, w), condition (B, S + Z, t, h, w)``:
+    the clip's normalised latents (:class:`WanVAEEncodeStage`) and ``WanImageToVideoPipeline.
+    prepare_latents``' condition for the clip's first frame: a mask of ``S`` channels (the VAE's
+    temporal compression; 1 on the first latent frame, 0 after) then the normalised latents of
+    ``[frame 0, T - 1 zero frames]``.
+
+    One stage for both: they need the same VAE, so it is loaded once and the clip crosses one edge.
+    """
+
+    def __init__(self, name: str, source: ModuleSource) -> None:
+        super().__init__(name, source)
+        # WanImageToVideoPipeline.vae_scale_factor_temporal
+        self.scale_t: int = source.config.get("scale_factor_temporal", 4)
+
+    @property
+    def outputs(self) -> Mapping[str, TensorSpec]:
+        return {
+            **super().outputs,
+            "condition": TensorSpec(("B", self.scale_t + self.z_dim, "t", "h", "w"), torch.float32),
+        }
+
+    def forward(self, module: nn.Module, inputs: Mapping[str, Any], **options: Any) -> dict[str, Any]:
+        vae: Any = module
+        video_B3THW = inputs["video"]
+        first_B31HW = video_B3THW[:, :, :1]
+        rest_B3THW = first_B31HW.new_zeros((*first_B31HW.shape[:2], video_B3THW.shape[2] - 1, *first_B31HW.shape[3:]))
+        z_BZthw = vae.encode(torch.cat([first_B31HW, rest_B3THW], dim=2).to(vae.dtype)).latent_dist.mode().float()
+        mean, inv_std = self._mean_std(z_BZthw)
+        mask_BSthw = z_BZthw.new_zeros((z_BZthw.shape[0], self.scale_t, *z_BZthw.shape[2:]))
+        # prepare_latents' mask: pixel frame 0 repeated S times, then the pixel frames grouped by S
+        # into latent frames (S channels each): ones on the first latent frame, zeros after
+        mask_BSthw[:, :, 0] = 1
+        condition_BCthw = torch.cat([mask_BSthw, (z_BZthw - mean) * inv_std], dim=1)
+        return {**super().forward(module, inputs, **options), "condition": condition_BCthw}
 
 
 class WanVAEDecodeStage(_WanVAEStage):

@@ -12,6 +12,13 @@ channel axis at each step. Wan 2.2's paths run too: two experts (``transformer_2
 is the image's latents ``(B, Z, 1, h, w)`` written over the first latent frame (whose tokens take
 timestep 0) at each step and after the last.
 
+Training graph (:func:`build_wan_i2v_training_graph`, Wan 2.1 I2V only), each clip conditioning on
+its own first frame::
+
+    input.{input_ids, attention_mask} -> text.context -> dit.context
+    input.video -> clip.image_embeds -> dit.image_embeds
+    input.video -> vae.{latents, condition} -> dit.{latents, condition} -> dit.loss
+
 Tiny presets: the real component classes (``WanTransformer3DModel``, ``AutoencoderKLWan``,
 ``UMT5EncoderModel``, ``CLIPVisionModel`` with a ``CLIPImageProcessor``) from small configs, a
 word-level tokenizer built locally (nothing is downloaded), saved with ``save_pretrained``.
@@ -22,6 +29,7 @@ N image tokens, D CLIP width.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Literal, cast
@@ -29,12 +37,20 @@ from typing import Any, ClassVar, Literal, cast
 import torch
 from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanImageToVideoPipeline, WanTransformer3DModel
 from torch import nn
-from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+from transformers import AutoTokenizer, CLIPVisionConfig, CLIPVisionModel
 
 from mmpipe.config import ModelConfig
 from mmpipe.data import caption_vocabulary
-from mmpipe.models.pipeline_graph import prompt_list
-from mmpipe.models.wan import Wan22Family, build_text_encoder, build_word_tokenizer
+from mmpipe.graph import Graph, TensorSpec
+from mmpipe.models.pipeline_graph import prompt_list, read_model_index
+from mmpipe.models.wan import (
+    Wan22Family,
+    build_text_encoder,
+    build_text_stage,
+    build_word_tokenizer,
+    flow_shift_of,
+)
+from mmpipe.stages import CLIPImageEncoderStage, WanI2VDiTFlowMatchingStage, WanI2VVAEEncodeStage
 
 
 class WanI2VFamily(Wan22Family):
@@ -172,6 +188,88 @@ class WanI2VFamily(Wan22Family):
         return latents if mask is None else (1 - mask) * state["condition"] + mask * latents
 
 
+# ---- training ----------------------------------------------------------------------------------------
+
+#: Wan 2.1 I2V's image cross-attention takes all but the context's last 512 tokens as the image's
+#: (diffusers' ``WanAttnProcessor``: ``image_context_length = encoder_hidden_states.shape[1] - 512``),
+#: so its prompts are padded to exactly 512 tokens, as the pipeline pads them
+I2V_TEXT_LEN = 512
+
+WAN_I2V_TRAIN_EDGES = (
+    ("input.input_ids", "text.input_ids"),
+    ("input.attention_mask", "text.attention_mask"),
+    ("input.video", "clip.video"),
+    ("input.video", "vae.video"),
+    ("text.context", "dit.context"),
+    ("clip.image_embeds", "dit.image_embeds"),
+    ("vae.latents", "dit.latents"),
+    ("vae.condition", "dit.condition"),
+)
+
+
+def check_i2v_training_dir(root: Path, meta: Mapping[str, Any], where: str) -> None:
+    """Refuse the ``WanImageToVideoPipeline`` layouts training does not cover (a ``ValueError``
+    naming ``where`` and why), from ``model_index.json`` and the transformer's config only: it trains
+    Wan 2.1 I2V (one transformer with CLIP image embeddings, conditioned on the clip's first frame)."""
+    if meta.get("expand_timesteps"):
+        raise ValueError(
+            f"{where}: WanImageToVideoPipeline with expand_timesteps=True (Wan 2.2 TI2V: per-token "
+            "timesteps, the image written over the first latent frame) is not supported by training; "
+            "Wan 2.1 I2V is (one transformer, a CLIP image_encoder)"
+        )
+    second = meta.get("transformer_2")
+    if (isinstance(second, list) and any(second)) or meta.get("boundary_ratio") is not None:
+        raise ValueError(
+            f"{where}: a two-expert WanImageToVideoPipeline (Wan 2.2 I2V: transformer_2, boundary_ratio) "
+            "is not supported by training; Wan 2.1 I2V is (one transformer, a CLIP image_encoder)"
+        )
+    encoder = meta.get("image_encoder")
+    if not (isinstance(encoder, list) and all(encoder)):
+        raise ValueError(
+            f"{where}: a WanImageToVideoPipeline without an image_encoder (no CLIP embeddings) is not "
+            "supported by training; Wan 2.1 I2V is (one transformer, a CLIP image_encoder)"
+        )
+    config = root / "transformer" / "config.json"
+    if config.is_file() and json.loads(config.read_text()).get("pos_embed_seq_len") is not None:
+        raise ValueError(
+            f"{where}: the transformer has pos_embed_seq_len (Wan 2.1 FLF2V: first and last frames' "
+            "CLIP embeddings); training conditions on the first frame only, as Wan 2.1 I2V"
+        )
+
+
+def build_wan_i2v_training_graph(pipeline_dir: str | Path, *, text_len: int) -> Graph:
+    """The flow-matching training graph of a local Wan 2.1 I2V ``WanImageToVideoPipeline``
+    directory, each clip conditioning on its own first frame::
+
+        input.{input_ids, attention_mask} -> text.context -> dit.context
+        input.video -> clip.image_embeds -> dit.image_embeds
+        input.video -> vae.{latents, condition} -> dit.{latents, condition} -> dit.loss
+
+    ``text_len`` (``model.text_len``) must be 512 (:data:`I2V_TEXT_LEN`)."""
+    root = Path(pipeline_dir)
+    if text_len != I2V_TEXT_LEN:
+        raise ValueError(
+            f"model.text_len={text_len}: Wan 2.1 I2V's transformer takes the last {I2V_TEXT_LEN} context "
+            f"tokens as the text and the rest as the image's; set model.text_len={I2V_TEXT_LEN}"
+        )
+    where = f"model.path={str(root)!r}"
+    check_i2v_training_dir(root, read_model_index(root, where), where)
+    tokenizer = AutoTokenizer.from_pretrained(root / "tokenizer")
+    shift = flow_shift_of(UniPCMultistepScheduler.load_config(root / "scheduler"))
+    g = Graph("wan_i2v_train")
+    g.add_input("input_ids", TensorSpec(("B", text_len), torch.int64))
+    g.add_input("attention_mask", TensorSpec(("B", text_len), torch.int64))
+    g.add_input("video", TensorSpec(("B", 3, "T", "H", "W"), torch.float32))
+    g.add_stage(build_text_stage("text", root / "text_encoder", tokenizer, max_length=text_len))
+    g.add_stage(CLIPImageEncoderStage.from_pipeline_dir("clip", root))
+    g.add_stage(WanI2VVAEEncodeStage.from_pretrained("vae", root / "vae"))
+    g.add_stage(WanI2VDiTFlowMatchingStage.from_pretrained("dit", root / "transformer", shift=shift))
+    for src, dst in WAN_I2V_TRAIN_EDGES:
+        g.connect(src, dst)
+    g.validate()
+    return g
+
+
 # ---- tiny presets -------------------------------------------------------------------------------
 
 #: the tiny presets: Wan 2.1 I2V (CLIP embeddings, the condition concatenated), FLF2V (first and
@@ -190,6 +288,10 @@ def build_tiny_wan_i2v_pipeline(
     tokenizer knows the words of ``texts`` (the moving-shapes captions by default). Prompts are
     padded to 512 tokens (the default ``max_sequence_length``: Wan 2.1's image cross-attention
     splits the image tokens off at 512 text tokens); sizes are multiples of 16 pixels."""
+    # Imported here: without torchvision, importing CLIPImageProcessor logs a fallback warning, and
+    # mmpipe.models (which imports this module for training) must not print at import time.
+    from transformers import CLIPImageProcessor
+
     if variant not in ("wan21", "flf2v", "wan22", "ti2v"):
         raise ValueError(f"variant must be 'wan21', 'flf2v', 'wan22' or 'ti2v', got {variant!r}")
     texts = [*caption_vocabulary(), "blurry static"] if texts is None else texts

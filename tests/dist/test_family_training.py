@@ -1,4 +1,5 @@
-"""Training LTX-Video, HunyuanVideo and CogVideoX pipeline directories (``model.path=DIR``) through ``mmpipe train``.
+"""Training LTX-Video, HunyuanVideo and CogVideoX pipeline directories (``model.path=DIR``) through ``mmpipe train``
+(Wan 2.1 image-to-video's: ``test_wan_i2v_training.py``).
 
 Per family: the stages encode exactly as the diffusers pipeline does, the DiT stage's loss is finite
 and reaches every parameter, and a pure pipeline split (encoders on rank 0, the DiT on rank 1) trains
@@ -234,7 +235,8 @@ def test_pipeline_split_trains_bitwise_like_one_process(family_dir: tuple[str, P
             {"_class_name": "CogVideoXImageToVideoPipeline"},
             "_class_name='CogVideoXImageToVideoPipeline' is not supported; supported: ",
         ),
-        ({"_class_name": "WanImageToVideoPipeline"}, "_class_name='WanImageToVideoPipeline' is not supported; "),
+        # Wan 2.1 I2V trains (test_wan_i2v_training); one without CLIP (Wan 2.2's) is refused
+        ({"_class_name": "WanImageToVideoPipeline"}, "a WanImageToVideoPipeline without an image_encoder"),
         ({"_class_name": "WanPipeline", "expand_timesteps": True}, "expand_timesteps=True"),
     ],
     ids=["flux", "qwen-image", "cogvideox-i2v", "wan-i2v", "wan-ti2v"],
@@ -250,7 +252,8 @@ def test_unsupported_pipeline_is_refused_before_any_worker(tmp_path: Path, meta:
         _run(tmp_path / "run", bad, 2, None)
     assert message in str(err.value)
     if "supported: " in message:
-        assert "['WanPipeline', 'LTXPipeline', 'HunyuanVideoPipeline', 'CogVideoXPipeline']" in str(err.value)
+        supported = "['WanPipeline', 'LTXPipeline', 'HunyuanVideoPipeline', 'CogVideoXPipeline', 'WanImageToVideoPipeline']"
+        assert supported in str(err.value)
     assert not (tmp_path / "run").exists()
 
 
