@@ -62,29 +62,48 @@ def test_two_ranks_write_one_process_frames(
 @pytest.mark.parametrize(
     ("args", "match"),
     [
-        (["nproc=2", "guidance=1.0", "placement={denoise:{ranks:[0,1],cfg:2}}"], "cfg=2 runs the two guidance"),
-        (["nproc=2", "placement={denoise:{ranks:[0,1],ulysses:3}}"], r"ulysses=3 = 3 ranks"),
-        (["nproc=3", "placement={denoise:{ranks:[0,1,2],ulysses:3}}"], "heads cannot be split over ulysses=3"),
-        (["nproc=2", "placement={denoise:{ranks:[0,1],ulysses:2}}", "frames=1"], "at least one frame"),
-        (["nproc=2", "placement={denoise:{ranks:[0,1],ulysses:2}}", "cache.policy=first_block"], "first_block"),
-        (["nproc=2", "placement={denoise:{ranks:[0,1],cfg:2,dp:2}}"], "dp=2: one request"),
-        (["nproc=3", "placement={denoise:{ranks:[0,1],cfg:2}}"], "rank 2 of nproc=3 runs no stage"),
-        (["nproc=2", "placement={denoise:{ranks:[0,1],cfg:2},decode:{ranks:[0,1],halo:2}}"], "only a split by frames"),
-        (["cache.policy=fast"], "cache.policy='fast'"),
+        (
+            dict(nproc=2, guidance=1.0, placement={"denoise": {"ranks": [0, 1], "cfg": 2}}),
+            "cfg=2 runs the two guidance",
+        ),
+        (dict(nproc=2, placement={"denoise": {"ranks": [0, 1], "ulysses": 3}}), r"ulysses=3 = 3 ranks"),
+        (
+            dict(nproc=3, placement={"denoise": {"ranks": [0, 1, 2], "ulysses": 3}}),
+            "heads cannot be split over ulysses=3",
+        ),
+        (dict(nproc=2, placement={"denoise": {"ranks": [0, 1], "ulysses": 2}}, frames=1), "at least one frame"),
+        (
+            dict(
+                nproc=2,
+                placement={"denoise": {"ranks": [0, 1], "ulysses": 2}},
+                cache=StepCacheConfig(policy="first_block"),
+            ),
+            "first_block",
+        ),
+        (dict(nproc=2, placement={"denoise": {"ranks": [0, 1], "cfg": 2, "dp": 2}}), "dp=2: one request"),
+        (dict(nproc=3, placement={"denoise": {"ranks": [0, 1], "cfg": 2}}), "rank 2 of nproc=3 runs no stage"),
+        (
+            dict(nproc=2, placement={"denoise": {"ranks": [0, 1], "cfg": 2}, "decode": {"ranks": [0, 1], "halo": 2}}),
+            "only a split by frames",
+        ),
     ],
 )
-def test_bad_parallel_generate_exits_2_naming_the_key(
-    tiny_wan_dir: Path, tmp_path: Path, args: list[str], match: str
+def test_bad_parallel_generate_is_refused_naming_the_key(
+    tiny_wan_dir: Path, tmp_path: Path, args: dict[str, Any], match: str
 ) -> None:
     out = tmp_path / "out"
-    done = subprocess.run(
-        [sys.executable, "-m", "mmpipe.cli", "generate", f"pipeline={tiny_wan_dir}", f"out={out}", "device=cpu", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    with pytest.raises(ValueError, match=match):
+        generate(GenerateConfig(pipeline=str(tiny_wan_dir), out=str(out), **(SMALL | args)))
+    assert not out.exists()
+
+
+def test_the_cli_exits_2_naming_the_key(tiny_wan_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    args = ["nproc=2", "placement={denoise:{ranks:[0,1],ulysses:3}}"]
+    cmd = [sys.executable, "-m", "mmpipe.cli", "generate", f"pipeline={tiny_wan_dir}", f"out={out}", "device=cpu"]
+    done = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr[-3000:]
-    assert re.search(match, done.stderr), done.stderr[-2000:]
+    assert re.search(r"placement.denoise: .*ulysses=3 = 3 ranks", done.stderr), done.stderr[-2000:]
     assert not out.exists()
 
 
@@ -103,3 +122,14 @@ def test_compile_renders_what_eager_renders(tiny_wan_dir: Path, tmp_path: Path) 
     configure_denoiser(graph, StepCacheConfig(), compile=True)
     compiled = graph.generate(**call, seed=0, progress=False)
     np.testing.assert_allclose(compiled, eager, rtol=0, atol=1e-4)
+
+
+def test_cache_config_names_a_bad_policy_or_threshold() -> None:
+    from mmpipe.config import CACHE_POLICIES
+    from mmpipe.stages.cache import CachePolicy
+
+    assert set(CACHE_POLICIES) == {p.value for p in CachePolicy}  # the config's list is the stage's
+    with pytest.raises(ValueError, match="cache.policy='fast'"):
+        StepCacheConfig(policy="fast")
+    with pytest.raises(ValueError, match="cache.threshold=0"):
+        StepCacheConfig(policy="mag", threshold=0)
