@@ -7,7 +7,8 @@ latent statistics (as ``WanPipeline`` de-normalises them) for ``--frames`` video
 ``--size`` x ``--size`` pixels. Each repeat runs, in order: the whole decode on rank 0 with 2
 threads and with 1 (rank 1 waits in a barrier), then the 2-rank parallel decode for each halo: the
 exact one (the decoder's receptive field, 38 latent frames for this architecture) and each
-``--approx-halo`` (shorter: faster and approximate). A parallel time is rank 0's wall time from a
+``--approx-halo`` (shorter: faster and approximate), then the split by row bands
+(``mmpipe.parallel.vae_patch``: exact, no halo of frames). A parallel time is rank 0's wall time from a
 barrier to the gathered video (the gather waits for the slower rank). Ratios are whole / parallel
 per repeat (above 1: the parallel decode is faster), reported as the median and range over repeats;
 the error is the largest absolute difference of the gathered video from the whole decode over all
@@ -28,14 +29,12 @@ A table goes to stderr; the last line of stdout is one JSON object.
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import platform
 import statistics
 import sys
 import time
-import traceback
 from typing import Any
 
 import torch
@@ -50,8 +49,9 @@ from mmpipe.parallel.vae import (
     plan_frame_ranges,
     wan_decode_receptive_field,
 )
+from mmpipe.parallel.vae_patch import patch_parallel_wan_decode
 from mmpipe.runtime import procs
-from mmpipe.runtime.launch import free_port
+from mmpipe.runtime.inference import launch_ranks
 
 WORLD = 2
 
@@ -75,7 +75,7 @@ def _seconds(fn: Any) -> tuple[float, torch.Tensor]:
 
 
 @torch.inference_mode()
-def run_rank(rank: int, args: argparse.Namespace, phase: Any) -> dict[str, Any]:
+def run_rank(rank: int, world: int, args: argparse.Namespace, phase: Any) -> dict[str, Any]:
     """Every repeat's times (rank 0's) and the largest error per halo. ``phase``: a multiprocessing
     barrier that holds rank 1 while rank 0 decodes alone; not a gloo barrier, whose wait polls a
     core and would slow rank 0's 2-thread decode several times over."""
@@ -99,48 +99,20 @@ def run_rank(rank: int, args: argparse.Namespace, phase: Any) -> dict[str, Any]:
             times.setdefault(f"halo_{halo}", []).append(seconds)
             if rank == 0:
                 errors[halo] = max(errors[halo], float((got - whole).abs().max()))
+        dist.barrier()  # the split by row bands (mmpipe.parallel.vae_patch), exact
+        seconds, got = _seconds(lambda: patch_parallel_wan_decode(vae, z, dist.group.WORLD))
+        times.setdefault("rows", []).append(seconds)
+        if rank == 0:
+            errors["rows"] = max(errors.get("rows", 0.0), float((got - whole).abs().max()))
         if rank == 0:
             print(f"repeat {repeat}: " + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in times.items()), file=sys.stderr)
     return {"field": field, "halos": halos, "times": {k: v[1:] for k, v in times.items()}, "errors": errors}
 
 
-def _entry(rank: int, port: int, args: argparse.Namespace, phase: Any, queue: Any, env: dict[str, str]) -> None:
-    procs.adopt_environment(env)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        result = run_rank(rank, args, phase)
-        buf = io.BytesIO()
-        torch.save(result, buf)
-        queue.put((rank, buf.getvalue(), None))
-    except Exception:
-        queue.put((rank, None, traceback.format_exc()))
-        raise
-    finally:
-        dist.destroy_process_group()
-
-
 def run_world(args: argparse.Namespace) -> dict[str, Any]:
-    """Rank 0's result."""
-    ctx = procs.context(preload=["mmpipe.parallel.vae"])
-    queue = ctx.Queue()
-    port, env, phase = free_port(), procs.environment(), ctx.Barrier(WORLD)
-    workers = [ctx.Process(target=_entry, args=(r, port, args, phase, queue, env)) for r in range(WORLD)]
-    for p in workers:
-        p.start()
-    results: dict[int, Any] = {}
-    try:
-        for _ in workers:
-            rank, value, error = queue.get(timeout=1800)
-            if error is not None:
-                raise RuntimeError(f"rank {rank} failed:\n{error}")
-            results[rank] = torch.load(io.BytesIO(value), weights_only=False)
-    finally:
-        for p in workers:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
-    return results[0]
+    """Rank 0's result (``phase``: a multiprocessing barrier of the launcher's context)."""
+    phase = procs.context().Barrier(WORLD)
+    return launch_ranks(run_rank, WORLD, args, phase, timeout_s=1800)[0]
 
 
 @torch.inference_mode()
@@ -176,6 +148,16 @@ def summarise(result: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
             ratios = [w / p for w, p in zip(times[base], par, strict=True)]
             row[f"ratio_vs_{base}"] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
         rows.append(row)
+    split: dict[str, Any] = {
+        "split": "rows",
+        "exact": True,
+        "parallel_s_median": statistics.median(times["rows"]),
+        "max_abs_error": result["errors"]["rows"],
+    }
+    for base in ("whole_1t", "whole_2t"):
+        ratios = [w / p for w, p in zip(times[base], times["rows"], strict=True)]
+        split[f"ratio_vs_{base}"] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+    rows.append(split)
     return {
         "benchmark": "parallel_vae",
         "vae": "AutoencoderKLWan defaults (Wan 2.1 architecture), random weights, float32",
@@ -212,8 +194,9 @@ def main(argv: list[str] | None = None) -> None:
         )
     for row in summary["parallel"]:
         r1, r2 = row["ratio_vs_whole_1t"], row["ratio_vs_whole_2t"]
+        what = f"halo {row['halo']:>3} ranges {row['ranges']}" if "halo" in row else "rows (bands)"
         print(
-            f"halo {row['halo']:>3} ranges {row['ranges']}: x{r1['median']:.2f} vs 1 thread "
+            f"{what}: x{r1['median']:.2f} vs 1 thread "
             f"[{r1['min']:.2f}, {r1['max']:.2f}], x{r2['median']:.2f} vs 2 threads, error {row['max_abs_error']:.2e}",
             file=sys.stderr,
         )

@@ -462,27 +462,22 @@ class DecodeStage(_FamilyStage):
     def outputs(self) -> Mapping[str, TensorSpec]:
         return {"pixels": TensorSpec()}
 
+    def parallelize(self, group: dist.ProcessGroup | None, *, split: str = "rows", halo: int | None = None) -> None:
+        """Decode each video over ``group``'s ranks (the family's :meth:`Family.decode` reads it)."""
+        fam = self.family
+        if not fam.parallel_decode:
+            raise ValueError(
+                f"placement.decode: {fam.pipeline_cls.__name__}'s VAE decode is not split over ranks in mmpipe; "
+                "name one rank"
+            )
+        fam.decode_group, fam.decode_split, fam.decode_halo = group, split, halo
+
     def forward(self, module: nn.Module, inputs: Mapping[str, Any], **options: Any) -> dict[str, Any]:
         call: Mapping[str, Any] = options["call"]
         if call.get("output_type") == "latent":  # as the pipelines return them
             return {"pixels": inputs["latents"]}
         extras = {p: inputs[p] for p in self.family.decode_ports if p in inputs}
         return {"pixels": self.family.decode(inputs["latents"], call, extras)}
-
-
-def _decode_parallelize(
-    stage: DecodeStage, group: dist.ProcessGroup | None, *, split: str = "rows", halo: int | None = None
-) -> None:
-    fam = stage.family
-    if not fam.parallel_decode:
-        raise ValueError(
-            f"placement.decode: {fam.pipeline_cls.__name__}'s VAE decode is not split over ranks in mmpipe; "
-            "name one rank"
-        )
-    fam.decode_group, fam.decode_split, fam.decode_halo = group, split, halo
-
-
-DecodeStage.parallelize = _decode_parallelize  # type: ignore[attr-defined]
 
 
 class PipelineGraph(Graph):
