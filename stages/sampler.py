@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 import torch
@@ -47,6 +47,44 @@ def initial_noise(shape: tuple[int, ...], seed: int | None) -> torch.Tensor:
     the same seed gives the same noise whatever device then denoises it."""
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
     return torch.randn(shape, generator=generator, dtype=torch.float32, device="cpu")
+
+
+def cache_context(model: nn.Module, branch: str) -> contextlib.AbstractContextManager[Any]:
+    """``model.cache_context(branch)`` where the model has one (diffusers' step caches keep one state
+    per guidance branch, and the pipelines call each branch in its context), else nothing."""
+    context = getattr(model, "cache_context", None)
+    return context(branch) if context is not None else contextlib.nullcontext()
+
+
+def step_predictions(
+    model: nn.Module,
+    predict: Callable[[str], torch.Tensor],
+    *,
+    guided: bool,
+    group: DenoiseGroup | None = None,
+    frames: int = 0,
+    tokens_per_frame: Callable[[], int] = lambda: 0,
+    batched: Callable[[], torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor]:
+    """One denoising step's noise predictions by guidance branch (``COND``, and ``UNCOND`` when
+    ``guided``), whole on every rank of ``group``.
+
+    ``predict(branch)`` runs ``model`` on this rank's part of the latents for one branch, in the
+    branch's cache context. Without a group this process runs every branch. Over a group this rank
+    runs its CFG row's branches on its latent frames (of ``frames``; the attention sees
+    ``tokens_per_frame()`` tokens a frame), and one gather gives every rank both whole predictions.
+    ``batched()``, when given and this rank runs both branches, predicts them as one batch (their
+    concatenation, ``COND`` first) in one forward instead."""
+    branches = group.branches(guided) if group is not None else ((COND, UNCOND) if guided else (COND,))
+    split = group is not None and group.state is not None  # latents cut by frames: (B, C, t, h, w)
+    preds: dict[str, torch.Tensor] = {}
+    with group.tokens(frames, tokens_per_frame()) if split and group is not None else contextlib.nullcontext():
+        if batched is not None and len(branches) == 2:  # one forward: one collective a layer, not two
+            preds = dict(zip(branches, batched().chunk(2), strict=True))
+        for branch in branches if not preds else ():
+            with cache_context(model, branch):
+                preds[branch] = predict(branch)
+    return group.gather(preds, frames, guided) if group is not None else preds
 
 
 class DenoiseStage(SourcedStage):
@@ -136,28 +174,30 @@ class DenoiseStage(SourcedStage):
             for t in tqdm(scheduler.timesteps, desc=self.name, disable=not progress, leave=False):
                 x = (par.local(x0) if par is not None else x0).to(dtype)
                 timestep_B = t.expand(x0.shape[0])
-                preds: dict[str, torch.Tensor] = {}
-                branches = par.branches(cfg_on) if par is not None else tuple(context)
-                with par.tokens(x0.shape[2], per_frame) if par is not None else contextlib.nullcontext():
-                    if batch_branches and len(branches) == 2:  # one forward: one collective a layer, not two
-                        both = module(
-                            hidden_states=torch.cat([x, x]),
-                            timestep=torch.cat([timestep_B, timestep_B]),
-                            encoder_hidden_states=torch.cat([context[COND], context[UNCOND]]),
-                            return_dict=False,
-                        )[0]
-                        preds = dict(zip(branches, both.chunk(2), strict=True))
-                    for branch in branches if not preds else ():
-                        # each branch in the model's cache context (step caches keep one state per branch)
-                        with cast(Any, module).cache_context(branch):
-                            preds[branch] = module(
-                                hidden_states=x,
-                                timestep=timestep_B,
-                                encoder_hidden_states=context[branch],
-                                return_dict=False,
-                            )[0]
-                if par is not None:
-                    preds = par.gather(preds, x0.shape[2], cfg_on)
+
+                # (x and timestep_B bound now: ruff's B023; both run before the loop moves on)
+                def predict(branch: str, x: torch.Tensor = x, timestep_B: torch.Tensor = timestep_B) -> torch.Tensor:
+                    return module(
+                        hidden_states=x, timestep=timestep_B, encoder_hidden_states=context[branch], return_dict=False
+                    )[0]
+
+                def both(x: torch.Tensor = x, timestep_B: torch.Tensor = timestep_B) -> torch.Tensor:
+                    return module(
+                        hidden_states=torch.cat([x, x]),
+                        timestep=torch.cat([timestep_B, timestep_B]),
+                        encoder_hidden_states=torch.cat([context[COND], context[UNCOND]]),
+                        return_dict=False,
+                    )[0]
+
+                preds = step_predictions(
+                    module,
+                    predict,
+                    guided=cfg_on,
+                    group=par,
+                    frames=x0.shape[2],
+                    tokens_per_frame=lambda: per_frame,
+                    batched=both if batch_branches else None,
+                )
                 pred = guide(preds[COND], preds[UNCOND], guidance_scale) if cfg_on else preds[COND]
                 x0 = scheduler.step(pred, t, x0, return_dict=False)[0]
             return x0

@@ -22,7 +22,6 @@ Legend: B batch, N tokens, C channels; a family's own docstring names its latent
 from __future__ import annotations
 
 import abc
-import contextlib
 import copy
 import importlib
 import inspect
@@ -42,7 +41,7 @@ from mmpipe.graph import Graph, Stage, TensorSpec
 from mmpipe.parallel.denoise import COND, UNCOND, DenoiseGroup, DenoiseLayout
 from mmpipe.parallel.modules import SequenceState
 from mmpipe.stages.cache import StepCache
-from mmpipe.stages.sampler import check_denoise_layout
+from mmpipe.stages.sampler import check_denoise_layout, step_predictions
 
 #: diffusers pipeline class name -> "module:Family class" (imported on first use)
 FAMILY_MODULES: dict[str, str] = {
@@ -309,11 +308,6 @@ class Family(abc.ABC):
         return self.pipe.image_processor.postprocess(pixels, output_type=call["output_type"])
 
 
-def _cache_context(model: nn.Module, name: str) -> contextlib.AbstractContextManager[Any]:
-    context = getattr(model, "cache_context", None)
-    return context(name) if context is not None else contextlib.nullcontext()
-
-
 def condition_specs(family: Family) -> dict[str, TensorSpec]:
     """The condition ports: each of the family's, and its optional ``negative_`` twin."""
     ports = {p: TensorSpec() for p in family.condition_ports}
@@ -390,7 +384,6 @@ class DenoiseLoopStage(_FamilyStage):
         par = self.parallel
         if par is not None:
             par.layout.check_frames(latents.shape[2], key=f"stage {self.name!r}")
-        branches = par.branches(guided) if par is not None else ((COND, UNCOND) if guided else (COND,))
         conditions = {COND: cond, UNCOND: uncond}
         frames = latents.shape[2] if par is not None else 0
 
@@ -406,18 +399,23 @@ class DenoiseLoopStage(_FamilyStage):
                     local_state = state | {
                         k: par.local(state[k]) for k in fam.sequence_state if state.get(k) is not None
                     }
-                preds: dict[str, torch.Tensor] = {}
-                # sequence-parallel ranks only: other layouts' latents need not be (B, C, t, h, w)
-                split = par is not None and par.state is not None
-                tokens = par.tokens(frames, fam.tokens_per_frame(model, x0)) if split and par is not None else None
-                with tokens or contextlib.nullcontext():
-                    for branch in branches:
-                        # each branch in the model's cache context, as the pipelines call it (diffusers'
-                        # step caches keep one state per branch)
-                        with _cache_context(model, branch):
-                            preds[branch] = fam.predict(model, x, t, conditions[branch] or {}, call, local_state)
-                if par is not None:
-                    preds = par.gather(preds, frames, guided)
+
+                # (loop values bound as defaults: ruff's B023; both run before the loop moves on)
+                def predict(
+                    branch: str,
+                    m: nn.Module = model,
+                    x: torch.Tensor = x,
+                    t: torch.Tensor = t,
+                    s: dict[str, Any] = local_state,
+                ) -> torch.Tensor:
+                    return fam.predict(m, x, t, conditions[branch] or {}, call, s)
+
+                def tokens(m: nn.Module = model, x0: torch.Tensor = x0) -> int:
+                    return fam.tokens_per_frame(m, x0)
+
+                preds = step_predictions(
+                    model, predict, guided=guided, group=par, frames=frames, tokens_per_frame=tokens
+                )
                 pred = fam.guide(preds[COND], preds[UNCOND], scale, call, state) if guided else preds[COND]
                 x0 = fam.step(scheduler, pred, t, x0, state)
             return x0
