@@ -57,10 +57,13 @@ class KernelConfig:
 
 @dataclasses.dataclass(kw_only=True)
 class ModelConfig:
-    """The text-to-video model: a local diffusers WanPipeline directory, or a tiny random preset."""
+    """The model: a local diffusers pipeline directory, a tiny random preset, or a full-size
+    architecture-only preset (``model.arch``: configs without weights, for ``mmpipe plan``)."""
 
     name: str = "t2v_tiny"
-    kind: Literal["t2v", "u2g"] = "t2v"  # text-to-video, or understand-then-generate (vision -> LLM -> DiT)
+    # text-to-video, understand-then-generate (vision -> LLM -> DiT), or text-to-image: an image
+    # family's architecture-only preset (FLUX.1, Qwen-Image), planned for serving only
+    kind: Literal["t2v", "u2g", "t2i"] = "t2v"
     path: str | None = None  # local WanPipeline-layout directory; None builds the tiny preset below
     text_encoder: Literal["umt5", "qwen2"] = "umt5"
     text_dim: int = 32
@@ -102,6 +105,16 @@ class ModelConfig:
                 )
         if self.kind == "u2g" and self.path is not None:
             raise ValueError("model.kind=u2g trains the tiny preset only; model.path must be null")
+        if self.kind == "t2i":
+            if self.arch is None or self.path is not None:
+                raise ValueError(
+                    f"model.kind=t2i (model {self.name!r}): image families are architecture-only presets "
+                    f"(model.arch set, model.path null), planned with `mmpipe plan mode=serve`; got "
+                    f"model.path={self.path!r}, model.arch {'set' if self.arch else 'missing'}"
+                )
+            if self.video is None or self.video.frames != 1:
+                frames = self.video.frames if self.video is not None else None
+                raise ValueError(f"model.kind=t2i: model.video.frames must be 1 (one image), got {frames}")
         if self.path is not None and not Path(self.path).is_dir():
             raise ValueError(f"model.path={self.path!r} is not a local directory (nothing is downloaded)")
 
@@ -306,6 +319,11 @@ class RunConfig:
     profile: TraceConfig = dataclasses.field(default_factory=TraceConfig)
 
     def __post_init__(self) -> None:
+        if self.model.kind == "t2i":
+            raise ValueError(
+                f"model.kind={self.model.kind!r} (model {self.model.name!r}): mmpipe does not train image "
+                f"families; plan serving it with `mmpipe plan mode=serve model={self.model.name}`"
+            )
         if isinstance(self.placement, str) and self.placement != "auto":
             self.placement = read_placement_file(self.placement)
         if self.profile.enabled and self.profile.window > self.train.steps:
@@ -521,6 +539,11 @@ class PlanConfig:
     json: bool = False
 
     def __post_init__(self) -> None:
+        if self.mode == "train" and self.model.kind == "t2i":
+            raise ValueError(
+                f"model.kind={self.model.kind!r} (model {self.model.name!r}): image families are planned with "
+                f"mode=serve only (mmpipe does not train them): mmpipe plan mode=serve model={self.model.name}"
+            )
         if self.nproc < 0 or self.global_batch < 0 or self.micro_batches < 0:
             raise ValueError("nproc, global_batch and micro_batches must be >= 0")
         if self.calibration is not None and not Path(self.calibration).is_file():

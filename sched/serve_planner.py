@@ -1,4 +1,5 @@
-"""The serving planner: how a cluster serves text-to-video requests of one size, and what that buys.
+"""The serving planner: how a cluster serves text-to-video (or -image) requests of one size, and
+what that buys.
 
 For a request of ``steps`` denoising steps (two DiT forwards a step with classifier-free guidance
 on, ``guidance > 1``) it chooses the ranks of each stage — text and decode: replicas of one rank;
@@ -30,9 +31,10 @@ ranks idle (``nproc``).
 
 Constraints (a candidate breaking one is not considered; :func:`check_layout` says why): ulysses
 divides the DiT's attention heads; the ``ring x ulysses`` ranks of a branch split whole latent
-frames, so at most one rank a frame; DiTs without sequence-parallel support (CogVideoX, LTX) get
-neither; ``cfg=2`` only with guidance on; each rank's weights and activations fit its memory; a
-replica no wider than the innermost bandwidth level stays inside one block of it.
+frames, so at most one rank a frame; DiTs without sequence-parallel support (CogVideoX, LTX,
+FLUX.1, Qwen-Image) get neither; ``cfg=2`` only with guidance on; each rank's weights and
+activations fit its memory; a replica no wider than the innermost bandwidth level stays inside one
+block of it.
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ class Objective(StrEnum):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ServeCosts:
-    """Per-sample costs of a text-to-video request's stages, measured on the meta device."""
+    """Per-sample costs of a request's stages, measured on the meta device."""
 
     name: str
     text: StageCost

@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoConfig, AutoImageProcessor, AutoModel, CLIPVisionModel, SiglipVisionModel
+from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 
 from mmpipe.graph import Capabilities, TensorSpec
 from mmpipe.parallel.attention import select_backend
@@ -352,6 +353,20 @@ class ImageProcessing:
             rescale=float(processor.rescale_factor) if processor.do_rescale else None,
             mean=tuple(processor.image_mean) if processor.do_normalize else None,
             std=tuple(processor.image_std) if processor.do_normalize else None,
+        )
+
+    @classmethod
+    def clip(cls, image_size: int) -> ImageProcessing:
+        """The steps of a ``CLIPImageProcessor`` with OpenAI CLIP's settings for ``image_size``
+        pixels: bicubic resize of the shorter side, centre crop, rescale by 1/255, CLIP's mean and std
+        (what Wan 2.1 I2V's ``image_processor`` holds, at 224)."""
+        return cls(
+            resize=image_size,
+            resample=3,  # PIL.Image.Resampling.BICUBIC
+            crop=(image_size, image_size),
+            rescale=1 / 255,
+            mean=tuple(OPENAI_CLIP_MEAN),
+            std=tuple(OPENAI_CLIP_STD),
         )
 
     def output_size(self, height: int, width: int) -> tuple[int, int]:

@@ -22,7 +22,7 @@ Legend: B batch, C channels (3 pixels, Z latent), T/t frames (pixel/latent), H/h
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -41,7 +41,7 @@ from mmpipe.stages._source import ModuleSource, SourcedStage
 
 
 class _WanVAEStage(SourcedStage):
-    model_cls = AutoencoderKLWan
+    model_cls: ClassVar[Any] = AutoencoderKLWan  # (the Qwen-Image VAE, stages.image, shares the stages)
     capabilities = Capabilities(offload=True)
 
     def __init__(self, name: str, source: ModuleSource) -> None:

@@ -29,7 +29,8 @@ _TEMP_DIRS: list[tempfile.TemporaryDirectory[str]] = []
 
 
 def planning_graph(model: ModelConfig, data: DataConfig) -> tuple[Graph, dict[str, ShapeDtype]]:
-    """The training graph of ``model`` and its per-sample (batch 1) graph-input shapes."""
+    """The training graph of ``model`` (an image family's: one request's, :mod:`mmpipe.models.arch`)
+    and its per-sample (batch 1) graph-input shapes."""
     if model.arch is not None:
         graph = build_arch_graph(model)
     else:
@@ -50,6 +51,8 @@ def sample_inputs(graph: Graph, text_len: int, frames: int, height: int, width: 
             shapes[name] = ((1, length), torch.int64)
         elif name == "video":
             shapes[name] = ((1, 3, frames, height, width), torch.float32)
+        elif name == "image":  # an image family's (model.kind=t2i: model.video has one frame)
+            shapes[name] = ((1, 3, height, width), torch.float32)
         elif name == "pixel_values":
             size = spec.shape[-1] if spec.shape else None
             if not isinstance(size, int):

@@ -4,6 +4,10 @@ serving plan of :mod:`mmpipe.sched.serve_planner`.
 A request's stages are costed from the preset's training graph (``planning_graph``, so full-size
 presets stay architecture-only and the costs share the training planner's cache): its text encoder
 and DiT forwards as they are, the VAE's decode measured apart (the training graph only encodes).
+An image family's preset (``model.kind=t2i``: FLUX.1, Qwen-Image) has one request's stages as its
+graph (:mod:`mmpipe.stages.image`), costed the same way. Wan 2.1 image-to-video's request also
+runs the image encoder (in the text stage, as the serving engine places it) and the VAE's encode
+of the first-frame condition (on the VAE's rank, counted with the decode).
 A ``mmpipe profile`` calibration names the training graph's stages; the request's stages take the
 entries of the modules they run (text: ``text``, denoise: ``dit``, decode: ``vae``, whose
 efficiency was measured encoding).
@@ -19,7 +23,7 @@ from mmpipe.assemble.graphs import planning_graph
 from mmpipe.assemble.planning import cluster_of, default_calibration_path
 from mmpipe.config import DataConfig, ModelConfig, PlanConfig
 from mmpipe.sched.calibration import Calibration
-from mmpipe.sched.cost import measure_decode_cost, measure_graph_costs
+from mmpipe.sched.cost import StageCost, measure_decode_cost, measure_graph_costs
 from mmpipe.sched.serve_planner import Objective, ServeCosts, ServePlan, plan_serving
 
 #: the request's stage -> the training graph's stage whose module it runs (and whose calibration it takes)
@@ -27,20 +31,47 @@ TRAINING_STAGE = {"text": "text", "denoise": "dit", "decode": "vae"}
 
 
 def serve_costs(model: ModelConfig, data: DataConfig) -> ServeCosts:
-    """Per-sample costs of one request of ``model``'s video size (``model.video``, else ``data``'s)."""
-    if model.kind != "t2v":
-        raise ValueError(f"mode=serve plans text-to-video presets; model {model.name!r} has kind={model.kind!r}")
+    """Per-sample costs of one request of ``model``'s video (or image) size (``model.video``, else
+    ``data``'s)."""
+    if model.kind not in ("t2v", "t2i"):
+        raise ValueError(
+            f"mode=serve plans text-to-video and text-to-image presets; model {model.name!r} has kind={model.kind!r}"
+        )
     graph, shapes = planning_graph(model, data)
     costs = measure_graph_costs(graph, shapes)
-    decode, latents = measure_decode_cost(graph.stages["vae"], shapes["video"])
+    pixels = shapes["image"] if "image" in shapes else shapes["video"]
+    decode, latents = measure_decode_cost(graph.stages["vae"], pixels)
+    text = costs["text"]
+    if "clip" in graph.stages:  # Wan 2.1 I2V (build_wan_i2v_training_graph's stages)
+        text = _one_after_the_other(text, costs["clip"])
+        # its training stage encodes twice (the clip, the first-frame condition); a request, the condition
+        encode = costs["vae"]
+        decode = dataclasses.replace(
+            decode,
+            forward_flops=decode.forward_flops + encode.forward_flops / 2,
+            attention_flops=decode.attention_flops + encode.attention_flops / 2,
+        )
     dit = graph.stages["dit"]
     return ServeCosts(
         name=model.name,
-        text=costs["text"],
+        text=text,
         denoise=costs["dit"],
         decode=decode,
         latent_elements=math.prod(latents),
         sequence_parallel=dit.capabilities.sequence_parallel,
+    )
+
+
+def _one_after_the_other(first: StageCost, second: StageCost) -> StageCost:
+    """Two frozen stages' modules run on one rank, one after the other, as one stage: their FLOPs,
+    parameters and outputs add up (the blocks are ``first``'s)."""
+    return dataclasses.replace(
+        first,
+        forward_flops=first.forward_flops + second.forward_flops,
+        attention_flops=first.attention_flops + second.attention_flops,
+        params=first.params + second.params,
+        output_bytes=first.output_bytes + second.output_bytes,
+        activation_bytes=first.activation_bytes + second.activation_bytes,
     )
 
 

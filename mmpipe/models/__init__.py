@@ -8,7 +8,8 @@
   ``model.path`` a directory of theirs, ``model.kind=t2v`` trains them (the training graph is chosen
   by ``model_index.json``'s ``_class_name``, :data:`TRAINING_PIPELINES`);
 - :mod:`~mmpipe.models.u2g`: understand-then-generate (``model.kind=u2g``);
-- :mod:`~mmpipe.models.arch`: architecture-only graphs of full-size presets (Wan, HunyuanVideo).
+- :mod:`~mmpipe.models.arch`: architecture-only graphs of full-size presets (Wan T2V / I2V,
+  HunyuanVideo, LTX-Video, CogVideoX, u2g; FLUX.1 and Qwen-Image requests, ``model.kind=t2i``).
 
 A new family is a new module here plus an entry in :data:`FAMILIES`.
 """

@@ -207,6 +207,15 @@ WAN_I2V_TRAIN_EDGES = (
 )
 
 
+def check_i2v_text_len(text_len: int) -> None:
+    """A ``ValueError`` unless ``text_len`` (``model.text_len``) is :data:`I2V_TEXT_LEN`."""
+    if text_len != I2V_TEXT_LEN:
+        raise ValueError(
+            f"model.text_len={text_len}: Wan 2.1 I2V's transformer takes the last {I2V_TEXT_LEN} context "
+            f"tokens as the text and the rest as the image's; set model.text_len={I2V_TEXT_LEN}"
+        )
+
+
 def check_i2v_training_dir(root: Path, meta: Mapping[str, Any], where: str) -> None:
     """Refuse the ``WanImageToVideoPipeline`` layouts training does not cover (a ``ValueError``
     naming ``where`` and why), from ``model_index.json`` and the transformer's config only: it trains
@@ -247,11 +256,7 @@ def build_wan_i2v_training_graph(pipeline_dir: str | Path, *, text_len: int) -> 
 
     ``text_len`` (``model.text_len``) must be 512 (:data:`I2V_TEXT_LEN`)."""
     root = Path(pipeline_dir)
-    if text_len != I2V_TEXT_LEN:
-        raise ValueError(
-            f"model.text_len={text_len}: Wan 2.1 I2V's transformer takes the last {I2V_TEXT_LEN} context "
-            f"tokens as the text and the rest as the image's; set model.text_len={I2V_TEXT_LEN}"
-        )
+    check_i2v_text_len(text_len)
     where = f"model.path={str(root)!r}"
     check_i2v_training_dir(root, read_model_index(root, where), where)
     tokenizer = AutoTokenizer.from_pretrained(root / "tokenizer")

@@ -147,6 +147,9 @@ def test_full_size_wan_dit_costs_seconds_and_no_memory() -> None:
         ("hunyuan_t2v", {"text": 7.07, "dit": 12.83}),
         ("ltx_2b_t2v", {"text": 4.76, "dit": 1.92}),  # T5-v1.1-XXL encoder, the LTX-Video 2B DiT
         ("cogvideox_5b_t2v", {"text": 4.76, "dit": 5.57}),  # T5-v1.1-XXL encoder, the CogVideoX-5B DiT
+        # Wan2.1-I2V-14B-720P: CLIP ViT-H/14; the DiT is the T2V DiT's 14.29B plus each of its 40 blocks'
+        # image keys / values (2 x 5120^2) and the image embedder, 16.39B as its published config builds
+        ("wan21_i2v_14b", {"text": 5.68, "clip": 0.63, "dit": 16.39}),
         ("u2g_full", {"vision": 0.43, "llm": 7.07, "dit": 14.29}),
     ],
 )
@@ -167,6 +170,11 @@ def test_full_size_presets_cost_on_meta(preset: str, expected: dict[str, float])
     if preset == "cogvideox_5b_t2v":  # one full-attention sequence: 226 text tokens, then the video's
         seq, width, layers = 226 + 17_550, 48 * 64, 42
         assert dit.attention_flops == pytest.approx(4 * seq**2 * width * layers, rel=0.01)
+    if preset == "wan21_i2v_14b":  # 16 x 16 patches of the 224-pixel first frame and the class token
+        assert costs["clip"].tokens == 257
+        # self-attention over the video, cross-attention to 512 text and 257 image tokens
+        tokens, width, layers = 21 * 45 * 80, 40 * 128, 40
+        assert dit.attention_flops == pytest.approx(4 * tokens * (tokens + 512 + 257) * width * layers, rel=0.01)
     assert all(c.forward_flops > 0 for c in costs.values())
     with pytest.raises(ValueError, match="architecture-only preset"):
         graph.stages["dit"].module  # noqa: B018  (no weights exist)
@@ -182,3 +190,62 @@ def test_cogvideox_preset_refuses_a_foreign_vae_and_text_len() -> None:
         build_arch_graph(from_dict(ModelConfig, wan_vae))
     with pytest.raises(ValueError, match="max_text_seq_length=226; set model.text_len=226"):
         build_arch_graph(from_dict(ModelConfig, {**raw, "text_len": 512}))
+
+
+@pytest.mark.parametrize(
+    ("preset", "expected", "image_tokens", "layers"),
+    [
+        # T5-v1.1-XXL 4.76B + CLIP-L's text tower 0.12B; the 11.9B FLUX.1 DiT (19 double + 38 single blocks)
+        ("flux1_dev", {"text": 4.885, "vae": 0.084, "dit": 11.90}, 64 * 64, 19 + 38),
+        # Qwen2.5-VL-7B as the pipeline calls it (vision tower and LM head included); the 20.4B DiT
+        ("qwen_image", {"text": 8.29, "vae": 0.127, "dit": 20.43}, 83 * 83, 60),
+    ],
+)
+def test_image_presets_cost_one_request_on_meta(
+    preset: str, expected: dict[str, float], image_tokens: int, layers: int
+) -> None:
+    from mmpipe.config import compose_config, from_dict
+
+    model = from_dict(ModelConfig, compose_config("plan", [f"model={preset}"])["model"])
+    graph, shapes = planning_graph(model, DataConfig())
+    costs = measure_graph_costs(graph, shapes)
+    for stage, billions in expected.items():
+        assert costs[stage].params / 1e9 == pytest.approx(billions, rel=0.01)
+    dit = costs["dit"]
+    # the VAE's 8x and the 2x2 packing: 1024 / 16 = 64 and 1328 / 16 = 83 tokens a side
+    assert dit.tokens == image_tokens and dit.heads == 24
+    # one joint sequence (the 512 text tokens and the image's) in every block, 24 x 128 wide
+    assert dit.attention_flops == pytest.approx(4 * (image_tokens + 512) ** 2 * 3072 * layers, rel=0.01)
+    # a request's stages: frozen, forward only; the engine refuses to split their sequence
+    assert all(c.backward_flops == 0 and c.forward_flops > 0 for c in costs.values())
+    assert not graph.stages["dit"].capabilities.sequence_parallel
+    with pytest.raises(ValueError, match="architecture-only preset"):
+        graph.stages["dit"].module  # noqa: B018  (no weights exist)
+
+
+def test_image_and_i2v_presets_refuse_a_mismatched_arch() -> None:
+    from mmpipe.config import compose_config, from_dict
+    from mmpipe.models.arch import build_arch_graph
+
+    def model(preset: str, **changes: object) -> ModelConfig:
+        raw = compose_config("plan", [f"model={preset}"])["model"]
+        return from_dict(ModelConfig, {**raw, **changes})
+
+    flux = compose_config("plan", ["model=flux1_dev"])["model"]
+    with pytest.raises(ValueError, match="model.kind='t2v' with model.arch.dit.class='flux'"):
+        build_arch_graph(model("wan14b_t2v", arch={**flux["arch"], "vae": {"class": "flux"}}))
+    wan = compose_config("plan", ["model=wan14b_t2v"])["model"]
+    with pytest.raises(ValueError, match="model.kind='t2i' with model.arch.dit.class='wan'"):
+        build_arch_graph(model("flux1_dev", arch=wan["arch"]))
+    with pytest.raises(ValueError, match="model.arch.vae.class='wan', model.arch.dit.class='flux'"):
+        build_arch_graph(model("flux1_dev", arch={**flux["arch"], "vae": wan["arch"]["vae"]}))
+    with pytest.raises(ValueError, match="needs model.arch.text_2"):
+        build_arch_graph(model("flux1_dev", arch={**flux["arch"], "text_2": None}))
+    with pytest.raises(ValueError, match="set model.text_len=512"):
+        build_arch_graph(model("wan21_i2v_14b", text_len=256))
+    with pytest.raises(ValueError, match="model.arch.image .* makes a Wan 2.1 I2V preset"):
+        build_arch_graph(model("wan22_a14b_t2v", arch={**wan["arch"], "image": {"model_type": "clip_vision_model"}}))
+    with pytest.raises(ValueError, match="model.video.frames must be 1"):
+        model("flux1_dev", video={"frames": 5, "height": 1024, "width": 1024})
+    with pytest.raises(ValueError, match="model.kind=t2i .* model.path null"):
+        model("flux1_dev", arch=None)

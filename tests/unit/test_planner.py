@@ -14,6 +14,7 @@ import itertools
 import math
 import os
 import random
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -720,3 +721,18 @@ def test_the_exhaustive_check_fails_a_crippled_search(monkeypatch: pytest.Monkey
         assert "no configuration of" in str(err)
         return
     assert got < 0.98 * best
+
+
+def test_cli_plans_training_of_the_wan_i2v_preset(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mmpipe.cli import main
+
+    monkeypatch.setenv("MMPIPE_CACHE", str(tmp_path / "cache"))
+    assert main(["plan", "model=wan21_i2v_14b", "cluster=h200_64", "simulate=false"]) == 0
+    out = capsys.readouterr().out
+    assert "plan for wan21_i2v_14b on h200_64 (64 devices)" in out and "MFU" in out
+    # a placement row for each of build_wan_i2v_training_graph's stages: T5, the CLIP image encoder,
+    # the VAE (the clip and its first-frame condition), the DiT
+    placed = {m.group(1) for m in re.finditer(r"^(\w+) +[\d,-]+ +\d+ ", out, re.MULTILINE)}
+    assert placed == {"text", "clip", "vae", "dit"}

@@ -14,13 +14,14 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from mmpipe.assemble.serve_planning import serving_calibration
+from mmpipe.assemble.graphs import planning_graph
+from mmpipe.assemble.serve_planning import serve_costs, serving_calibration
 from mmpipe.cli import main
-from mmpipe.config import PlanConfig, compose_config, from_dict
+from mmpipe.config import DataConfig, ModelConfig, PlanConfig, RunConfig, compose_config, from_dict
 from mmpipe.models.wan import build_t2v_training_graph
 from mmpipe.sched.calibration import Calibration
 from mmpipe.sched.cluster import Cluster, Level
-from mmpipe.sched.cost import StageCost, measure_decode_cost
+from mmpipe.sched.cost import StageCost, measure_decode_cost, measure_graph_costs
 from mmpipe.sched.serve_planner import (
     FAMILIES,
     Objective,
@@ -270,6 +271,49 @@ def test_cli_serve_plan_of_a_full_size_preset_parses(capsys: pytest.CaptureFixtu
     assert main(["plan", "mode=serve", "model=wan1_3b_t2v", "cluster=h200_8", "slo_s=0.5"]) == 2
     err = capsys.readouterr().err
     assert "meets slo_s=0.5: the best predicted latency is" in err
+
+
+@pytest.mark.parametrize(("preset", "latents"), [("flux1_dev", 16 * 128 * 128), ("qwen_image", 16 * 166 * 166)])
+def test_cli_serve_plan_of_an_image_preset_splits_no_sequence(
+    preset: str, latents: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    costs = serve_costs(from_dict(ModelConfig, compose_config("plan", [f"model={preset}"])["model"]), DataConfig())
+    assert not costs.sequence_parallel and costs.latent_elements == latents  # one 16-channel frame, 8x
+    assert costs.text.forward_flops > 0 and costs.decode.forward_flops > 0 and costs.denoise.backward_flops == 0
+    assert main(["plan", "mode=serve", f"model={preset}", "cluster=h200_64", "json=true"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["model"] == preset and out["requests_per_s"] > 0 and out["latency_s"] > 0
+    for option in (out, *out["alternatives"]):
+        den = option["placement"]["denoise"]
+        assert den["ulysses"] == den["ring"] == 1 and den["cfg"] in (1, 2)
+        assert den["ranks"] == list(range(den["cfg"] * den["dp"]))
+    for kind in ("pure Ulysses", "pure ring"):
+        assert "its DiT takes no sequence parallelism" in out["unavailable"][kind]
+    assert {a["name"] for a in out["alternatives"]} == {"one rank", "data parallel only", "pure CFG"}
+
+
+def test_plans_of_an_image_preset_refuse_training_naming_the_kind(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "model=flux1_dev", "cluster=h200_64"]) == 2
+    err = capsys.readouterr().err
+    assert "model.kind='t2i' (model 'flux1_dev'): image families are planned with mode=serve only" in err
+    with pytest.raises(ValueError, match="model.kind='t2i' .* mmpipe does not train image families"):
+        from_dict(RunConfig, compose_config("train", ["model=qwen_image"]))
+
+
+def test_wan_i2v_requests_add_the_image_encoder_and_the_condition_encode() -> None:
+    model = from_dict(ModelConfig, compose_config("plan", ["model=wan21_i2v_14b"])["model"])
+    graph, shapes = planning_graph(model, DataConfig())
+    stages = measure_graph_costs(graph, shapes)
+    costs = serve_costs(model, DataConfig())
+    # the text stage runs the text and the image encoder (WanI2VFamily.text_components)
+    text, clip = stages["text"], stages["clip"]
+    assert costs.text.params == text.params + clip.params
+    assert costs.text.forward_flops == text.forward_flops + clip.forward_flops
+    assert costs.text.output_bytes == text.output_bytes + clip.output_bytes
+    # the VAE's rank encodes the first-frame condition once (the training stage encodes the clip too)
+    decode, _ = measure_decode_cost(graph.stages["vae"], shapes["video"])
+    assert costs.decode.forward_flops == decode.forward_flops + stages["vae"].forward_flops / 2
+    assert costs.denoise == stages["dit"] and costs.sequence_parallel and costs.frames == 21
 
 
 def test_plan_serving_checks_its_arguments() -> None:
