@@ -6,12 +6,10 @@ noise. This VAE (``AutoencoderKLWan``, the Wan 2.1 architecture at a tiny width:
 moving-shapes clips with Wan's VAE objective minus its perceptual and adversarial terms
 (reconstruction, here MSE; a small KL term), then frozen for the DiT. Its weights (under 1 MiB)
 ship with the package (``mmpipe/models/weights/shapes_vae``), so ``make run`` needs neither a
-download nor the minutes this training takes on a 2-core CPU; they are rebuilt
-(:mod:`mmpipe.models.shapes_vae_train`) by::
-
-    python -m mmpipe.models.shapes_vae_train --out mmpipe/models/weights/shapes_vae
-
-(the same seed and data give the same weights up to float reassociation across CPUs). The
+download nor the hour and a half this training takes on a 2-core CPU; they are rebuilt
+(:mod:`mmpipe.models.shapes_vae_train`) by the three commands of ``docs/cli.md`` (5-frame clips,
+continued on 9- and then 17-frame clips; the same seeds and data give the same weights up to float
+reassociation across CPUs). The
 reconstruction PSNR on held-out clips (a dataset seed never trained on) is measured at the end and
 written next to the weights (``metrics.json``); ``mmpipe eval`` measures it again.
 
@@ -49,7 +47,7 @@ def shapes_vae_dir() -> Path:
     if not (WEIGHTS_DIR / "config.json").is_file():
         raise FileNotFoundError(
             f"the trained moving-shapes VAE is missing from {WEIGHTS_DIR}; rebuild it with "
-            "`python -m mmpipe.models.shapes_vae_train --out mmpipe/models/weights/shapes_vae`"
+            "`python -m mmpipe.models.shapes_vae_train` (the commands are in docs/cli.md)"
         )
     return WEIGHTS_DIR
 

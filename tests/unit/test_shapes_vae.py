@@ -11,7 +11,7 @@ from diffusers import AutoencoderKLWan
 
 from mmpipe.data.shapes import MovingShapesDataset
 from mmpipe.models.shapes_vae import CONFIG, load_shapes_vae, psnr_db, reconstruction_psnr, shapes_vae_dir
-from mmpipe.models.shapes_vae_train import decode_unclamped, train_shapes_vae
+from mmpipe.models.shapes_vae_train import decode_unclamped, train_shapes_vae, whiten_latents
 
 
 def test_packaged_vae_reconstructs_held_out_clips() -> None:
@@ -45,3 +45,28 @@ def test_training_command_writes_a_loadable_vae_with_latent_statistics(tmp_path:
     assert len(vae.config.latents_std) == CONFIG["z_dim"] and all(s > 0 for s in vae.config.latents_std)
     saved = json.loads((tmp_path / "vae" / "metrics.json").read_text())
     assert saved == metrics and saved["steps"] == 2
+
+
+def test_whitening_keeps_reconstructions_and_whitens_the_latents() -> None:
+    torch.manual_seed(0)
+    vae = AutoencoderKLWan(**CONFIG).eval()
+    video = torch.cat(
+        [MovingShapesDataset(num_samples=4, frames=5, height=32, width=32, seed=1)[i]["video"][None] for i in range(4)]
+    )
+    with torch.no_grad():
+        z = vae.encode(video).latent_dist.mode()
+        before = decode_unclamped(vae, z)
+        a, m = whiten_latents(vae, z)
+        z_white = vae.encode(video).latent_dist.mode()
+        after = decode_unclamped(vae, z_white)
+    zd = CONFIG["z_dim"]
+    # the encoder's new latents are A (z - m), and the decoder undoes it: the same reconstructions
+    expect = torch.einsum("yz,bzthw->bythw", a, z - m[None, :, None, None, None])
+    assert torch.allclose(z_white, expect, atol=1e-4)
+    assert torch.allclose(after, before, atol=1e-4)
+    # whitened: zero mean, identity covariance over channels (where the variance is above the floor)
+    flat = z_white.transpose(0, 1).reshape(zd, -1).double()
+    assert flat.mean(1).abs().max() < 1e-4
+    cov = torch.cov(flat)
+    assert torch.allclose(cov, torch.eye(zd, dtype=cov.dtype), atol=1e-3)
+    assert list(vae.config.latents_mean) == [0.0] * zd and list(vae.config.latents_std) == [1.0] * zd
