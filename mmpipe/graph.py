@@ -286,6 +286,14 @@ class Graph:
                 prefix.append(name)
         return prefix
 
+    def data_inputs(self, stage: str) -> set[str]:
+        """The graph inputs ``stage``'s outputs depend on: those it reads and those of the stages
+        upstream of it."""
+        ports: set[str] = set()
+        for e in self.producers(stage):
+            ports |= {e.src_port} if e.src == INPUT else self.data_inputs(e.src)
+        return ports
+
     def trainable_stages(self) -> list[Stage]:
         """Stages that are not frozen, in topological order."""
         return [self.stages[n] for n in self.topological_order() if not self.stages[n].frozen]

@@ -13,6 +13,7 @@ from typing import Any
 
 from mmpipe.assemble.graphs import planning_graph, sample_inputs
 from mmpipe.config import DataConfig, ModelConfig, PlanConfig, RunConfig
+from mmpipe.data.datasets import VIDEO_PORTS
 from mmpipe.graph import Graph
 from mmpipe.sched.analytic import Workload
 from mmpipe.sched.calibration import Calibration
@@ -153,16 +154,29 @@ def report_json(graph: Graph, report: PlanReport) -> dict[str, Any]:
 
 
 def frozen_compute_fraction(graph: Graph, cfg: RunConfig) -> dict[str, float]:
-    """The share of its samples each cached frozen stage computes over the run: every distinct
-    sample (a dataset index, with or without its caption) once, the rest from the cache. Assumes
-    the cache holds every sample (a run past ``train.cache_frozen_gb`` recomputes the rest, so this
-    is then optimistic). A folder data set (``data.root``) is planned as if uncached."""
+    """The share of its samples each cached frozen stage computes over the run: each distinct value
+    of the inputs it depends on once (:func:`~mmpipe.data.datasets.input_keys`), the rest from the cache.
+    A stage of the video alone computes every sample once, one of the caption alone every sample's
+    caption and the empty one, one of both every sample with and without its caption. Once is
+    once over all ranks: a sample keeps its data-parallel replica every epoch
+    (:func:`~mmpipe.train.data.sample_indices`' lanes). Assumes the cache holds every sample (a run
+    past ``train.cache_frozen_gb`` recomputes the rest, so this is then optimistic). A folder data
+    set (``data.root``) is planned as if uncached."""
     tc = cfg.train
     if tc.cache_frozen_gb <= 0 or cfg.data.root is not None:
         return {}
-    seen = tc.steps * tc.batch_size
-    distinct = min(seen, math.ceil(cfg.data.num_samples * (1.0 + tc.caption_dropout)))
-    return {s: distinct / seen for s in graph.frozen_prefix()}
+    seen, n = tc.steps * tc.batch_size, cfg.data.num_samples
+    dropped = tc.caption_dropout > 0
+    fractions = {}
+    for s in graph.frozen_prefix():
+        ports = graph.data_inputs(s)
+        video, caption = bool(ports & VIDEO_PORTS), bool(ports - VIDEO_PORTS)
+        if video and caption:
+            distinct = math.ceil(n * (1.0 + tc.caption_dropout))
+        else:
+            distinct = n + (1 if caption and dropped else 0)
+        fractions[s] = min(seen, distinct) / seen
+    return fractions
 
 
 def auto_placement(graph: Graph, cfg: RunConfig) -> dict[str, Any]:

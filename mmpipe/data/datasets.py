@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Iterable
+
 from torch.utils.data import Subset
 
 from mmpipe.config import DataConfig
 from mmpipe.data import FolderVideoDataset, MovingShapesDataset, caption_vocabulary
 
 SizedDataset = MovingShapesDataset | FolderVideoDataset | Subset
+
+#: the graph inputs a training micro-batch's collator (mmpipe.train.data.Collator) makes from a
+#: sample's video; the others it makes from the caption
+VIDEO_PORTS = frozenset({"video", "pixel_values"})
+
+
+def input_keys(ports: Iterable[str], split: str, index: int, dropped: bool) -> dict[str, Hashable]:
+    """What each graph input of one sample is a function of (the frozen-output cache's keys): the
+    video's ports of the sample, the caption's ports of its caption. Every dropped caption is the
+    same empty one, so a text encoder's output for it is computed once; a VAE's output does not
+    depend on whether the caption was dropped."""
+    caption: Hashable = "" if dropped else (split, index)
+    return {p: (split, index) if p in VIDEO_PORTS else caption for p in ports}
 
 
 def build_datasets(data: DataConfig) -> tuple[SizedDataset, SizedDataset]:

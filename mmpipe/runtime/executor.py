@@ -46,7 +46,9 @@ from mmpipe.sched.plan import Action, ActionKind, Plan, check_split, overlapping
 
 BatchFn = Callable[[int], dict[str, torch.Tensor]]  # micro-batch index -> full micro-batch graph inputs
 OptionsFn = Callable[[str, int, tuple[int, int, int]], dict[str, Any]]  # stage, mb, rows -> forward options
-KeysFn = Callable[[int], Sequence[Hashable]]  # micro-batch index -> one sample key per row (frozen-output cache)
+# micro-batch index -> per row, the key of each graph input (what it is a function of: the
+# frozen-output cache keys a stage's row by the keys of the inputs it depends on)
+KeysFn = Callable[[int], Sequence[Mapping[str, Hashable]]]
 
 
 class Executor:
@@ -101,6 +103,7 @@ class Executor:
         self._cached = {
             s for s in graph.frozen_prefix() if s in self.local and s not in plan.backward and self.groups[s].sp == 1
         }
+        self._key_ports = {s: sorted(graph.data_inputs(s)) for s in self._cached}
         self._port_edges = [e for e in graph.edges if e.src != INPUT]
         self._tags = {pair: i for i, pair in enumerate(graph.stage_edges())}
         # Output ports that carry gradients: declared floating point, or of unspecified dtype.
@@ -297,7 +300,8 @@ class Executor:
         lo, hi = self.rows(stage, mb)
         keys = None
         if self.frozen_cache is not None and st.keys_fn is not None and stage in self._cached:
-            keys = list(st.keys_fn(mb))[lo:hi]
+            ports = self._key_ports[stage]
+            keys = [tuple(row[p] for p in ports) for row in list(st.keys_fn(mb))[lo:hi]]
             kept = self.frozen_cache.get(stage, keys, self.device)
             if kept is not None:  # every row kept: no inputs loaded, nothing computed
                 st.inputs[(stage, mb)], st.outputs[(stage, mb)] = {}, kept

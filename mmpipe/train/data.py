@@ -17,15 +17,34 @@ from mmpipe.models.u2g import VISION_IMAGE_SIZE
 from mmpipe.stages.text import tokenize
 
 
-def sample_indices(step: int, batch_size: int, n: int, seed: int) -> list[int]:
-    """The dataset indices of ``step``: epoch-wise permutations seeded by (seed, epoch)."""
+def sample_indices(step: int, batch_size: int, n: int, seed: int, *, lanes: int = 1) -> list[int]:
+    """The dataset indices of ``step``'s global batch: every sample once an epoch, in an order
+    seeded by (seed, epoch).
+
+    ``lanes`` (the micro-batch size) deals the data set once, at random by ``seed``, into that many
+    lanes, and row ``j`` of every micro-batch takes lane ``j``'s next sample (each lane its own
+    epochs, shuffled each). A sample then sits at the same row of its micro-batch every epoch, so
+    the data-parallel replica of a stage that holds that row (a contiguous slice of the rows) is
+    always the same one: the replica that computed a frozen stage's output for it in the first epoch
+    holds it in its frozen-output cache after. Only samples of different lanes share a micro-batch.
+    ``lanes=1`` (and a data set smaller than ``lanes``) is a plain shuffle of the whole set each epoch."""
+    if lanes < 1 or batch_size % lanes:
+        raise ValueError(f"sample_indices: {lanes} lanes do not divide a batch of {batch_size}")
+    if n < lanes:
+        lanes = 1
+    members = list(range(n))
+    if lanes > 1:
+        members = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 - 1)).tolist()
     out = []
-    perms: dict[int, list[int]] = {}  # one permutation per epoch the step touches (at most two)
+    perms: dict[tuple[int, int], list[int]] = {}  # (lane, epoch) -> the lane's order that epoch
     for g in range(step * batch_size, (step + 1) * batch_size):
-        epoch, pos = divmod(g, n)
-        if epoch not in perms:
-            perms[epoch] = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch)).tolist()
-        out.append(perms[epoch][pos])
+        lane, q = g % lanes, g // lanes
+        lane_members = members[lane::lanes]
+        epoch, pos = divmod(q, len(lane_members))
+        if (lane, epoch) not in perms:
+            gen = torch.Generator().manual_seed((seed * 100_003 + epoch) * lanes + lane)
+            perms[(lane, epoch)] = [lane_members[i] for i in torch.randperm(len(lane_members), generator=gen).tolist()]
+        out.append(perms[(lane, epoch)][pos])
     return out
 
 

@@ -7,7 +7,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 
 from mmpipe.assemble.placement import kernel_choice, read_plans
 from mmpipe.config import RunConfig
-from mmpipe.data.datasets import build_datasets
+from mmpipe.data.datasets import build_datasets, input_keys
 from mmpipe.devices import run_devices
 from mmpipe.errors import NonFiniteError
 from mmpipe.graph import Graph
@@ -117,7 +117,9 @@ class TrainLoop:
         step: the batch and the cache keys both read them)."""
         if self._samples is None or self._samples[0] != step:
             tc = self.cfg.train
-            indices = sample_indices(step, tc.batch_size, len(self.train_set), self.cfg.data.seed)
+            indices = sample_indices(
+                step, tc.batch_size, len(self.train_set), self.cfg.data.seed, lanes=self.micro_size
+            )
             self._samples = (step, (indices, dropped_captions(step, tc.batch_size, tc.caption_dropout, tc.seed)))
         return self._samples[1]
 
@@ -134,11 +136,12 @@ class TrainLoop:
 
         return batch
 
-    def keys_fn(self, step: int) -> Callable[[int], list[tuple[str, int, bool]]]:
-        """The sample keys of ``step``'s micro-batches: dataset index and whether the caption was dropped."""
+    def keys_fn(self, step: int) -> Callable[[int], list[dict[str, Hashable]]]:
+        """The input keys of ``step``'s micro-batches (:func:`~mmpipe.data.datasets.input_keys`): the
+        dataset index, and for the caption's inputs whether it was dropped."""
         indices, drop = self.step_samples(step)
-        size = self.micro_size
-        return lambda mb: [("train", indices[j], drop[j]) for j in range(mb * size, (mb + 1) * size)]
+        size, ports = self.micro_size, list(self.graph.input_specs)
+        return lambda mb: [input_keys(ports, "train", indices[j], drop[j]) for j in range(mb * size, (mb + 1) * size)]
 
     def reduce(self, local: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
         """Sum a metrics vector over ranks (each value is owned by one rank, the others add 0)."""
@@ -209,14 +212,15 @@ class TrainLoop:
         n_micro, seed = self.cfg.train.micro_batches, self.cfg.train.seed
         chunks = [self.val_batches[i : i + n_micro] for i in range(0, len(self.val_batches) - n_micro + 1, n_micro)]
         total, self.events.phase = torch.zeros(()), "val"
+        ports = list(self.graph.input_specs)
         for c, mbs in enumerate(chunks):
 
             def options(stage: str, mb: int, rows: tuple[int, int, int], c: int = c) -> dict[str, Any]:
                 return {"seed": micro_batch_seed(seed, -1, c * n_micro + mb), "rows": rows}
 
-            def keys(mb: int, c: int = c) -> list[tuple[str, int, bool]]:
+            def keys(mb: int, c: int = c) -> list[dict[str, Hashable]]:
                 first = (c * n_micro + mb) * self.micro_size
-                return [("val", i, False) for i in range(first, first + self.micro_size)]
+                return [input_keys(ports, "val", i, False) for i in range(first, first + self.micro_size)]
 
             with torch.no_grad():
                 out = self.executor.run(self.val_plan.actions[self.rank], mbs.__getitem__, options, keys_fn=keys)

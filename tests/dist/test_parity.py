@@ -13,10 +13,10 @@ import pytest
 import torch
 from diffusers import WanTransformer3DModel
 
-from mmpipe.runtime.checkpoint import load_latest_weights
 from mmpipe.config import DataConfig, LaunchConfig, ModelConfig, RunConfig, StageParallelConfig, TrainConfig
-from mmpipe.runtime.events import read_events
 from mmpipe.rundir import read_metrics
+from mmpipe.runtime.checkpoint import load_latest_weights
+from mmpipe.runtime.events import read_events
 from mmpipe.train import train
 
 STEPS = 3
@@ -272,5 +272,36 @@ def test_wan22_experts_each_sequence_parallel_match_one_process(tmp_path: Path) 
         for key in ("grad_norm/dit", "grad_norm/dit_2"):
             assert g[key] == pytest.approx(r[key], rel=1e-5)
     pr, pg = wan22_params(tmp_path / "ref"), wan22_params(tmp_path / "sp")
+    # atol as in test_data_parallel_dit_matches_within_reordering_tolerance: Adam's normalised step
+    # turns the reassociation noise of an element with a tiny gradient into a drift (observed 2e-5
+    # on one element of 16384 after three steps); a wrong split moves parameters by whole steps
     for k in pr:
-        torch.testing.assert_close(pg[k], pr[k], rtol=1e-5, atol=1e-5, msg=k)
+        torch.testing.assert_close(pg[k], pr[k], rtol=1e-5, atol=5e-5, msg=k)
+
+
+def test_data_parallel_ranks_serve_every_frozen_row_from_their_cache_after_one_epoch(tmp_path: Path) -> None:
+    # 8 samples, 4 a step, micro-batches of 2 rows split over 2 data-parallel ranks: epoch 1 is
+    # steps 1-2; a sample keeps its row (train.data.sample_indices' lanes), hence its rank, so in
+    # steps 3-6 each rank's VAE rows all come from its own cache
+    colocated = {s: {"ranks": [0, 1], "dp": 2} for s in ("text", "vae", "dit")}
+    cfg = RunConfig(
+        run_dir=str(tmp_path),
+        data=DataConfig(frames=9, height=32, width=32, num_samples=8, val_samples=4),
+        train=TrainConfig(
+            steps=6,
+            batch_size=4,
+            micro_batches=2,
+            warmup_steps=1,
+            log_every=1,
+            val_every=1000,
+            progress=False,
+            threads=1,
+        ),
+        launch=LaunchConfig(nproc=2, timeout_s=120),
+        placement=colocated,
+    )
+    train(cfg)
+    served = [e for e in read_events(tmp_path) if e.get("frozen_cache_rows") and e["phase"] == "train"]
+    vae = [e for e in served if e["stage"] == "vae"]
+    assert {e["step"] for e in vae} == {3, 4, 5, 6}
+    assert [sum(e["frozen_cache_rows"] for e in vae if e["rank"] == r) for r in (0, 1)] == [8, 8]

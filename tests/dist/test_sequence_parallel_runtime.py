@@ -42,8 +42,11 @@ def test_dit_split_over_two_ranks_matches_unsplit_run(reference: Path, tmp_path:
         assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-5)
     assert got[-1]["val_loss"] == pytest.approx(ref[-1]["val_loss"], rel=1e-5)
     pr, pg = dit_params(reference), dit_params(tmp_path)
+    # Adam's normalised step amplifies that drift for elements whose gradient is tiny (observed
+    # 1.05e-5 on one of 65536 elements of the text embedder after three steps); 5e-5 is 2.5 % of one
+    # step (lr = 2e-3), a lost shard or token half moves parameters by whole steps.
     for k in pr:
-        torch.testing.assert_close(pg[k], pr[k], rtol=1e-5, atol=1e-5, msg=k)
+        torch.testing.assert_close(pg[k], pr[k], rtol=1e-5, atol=5e-5, msg=k)
 
     # 9 video frames -> 3 latent frames: DiT rank 1 holds frame 0, rank 2 frames 1-2; the VAE sends
     # each exactly those (no rank receives the whole latent tensor), the text encoder sends both its

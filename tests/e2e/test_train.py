@@ -159,10 +159,12 @@ def test_frozen_output_cache_keeps_the_losses_and_skips_the_frozen_stages(tmp_pa
         assert on["loss"] == pytest.approx(off["loss"], rel=1e-5, abs=1e-7), (off, on)
     assert not any("frozen_cache_hits" in r for r in runs[0.0])
     hits = [r.get("frozen_cache_hits", 0) for r in runs[1.0][1:]]
-    # epoch 1 (steps 1-2) computes every row; later steps reuse those whose caption state repeats
-    # (2 frozen stages x 2 micro-batches of 2 rows: a whole micro-batch hits or none of it does)
+    # epoch 1 (steps 1-2) computes every row; after it the VAE's every row comes from the cache
+    # (its latents do not depend on the caption dropout), the text encoder's where the micro-batch's
+    # captions were all seen (a dropped one is the one empty caption)
     assert hits[:2] == [0, 0] and hits[-1] > 0 and hits == sorted(hits), hits
     events = (tmp_path / "cache1.0" / "events" / "rank0.jsonl").read_text().splitlines()
     served = [e for e in map(json.loads, events) if "frozen_cache_rows" in e and e["phase"] == "train"]
     assert {e["stage"] for e in served} <= {"text", "vae"} and all(e["kind"] == "F" for e in served)
     assert sum(e["frozen_cache_rows"] for e in served) == hits[-1]
+    assert sum(e["frozen_cache_rows"] for e in served if e["stage"] == "vae") == 4 * 4  # steps 3-6, 4 rows each
