@@ -39,9 +39,9 @@ def sample_indices(step: int, batch_size: int, n: int, seed: int, *, lanes: int 
     perms: dict[tuple[int, int], list[int]] = {}  # (lane, epoch) -> the lane's order that epoch
     for g in range(step * batch_size, (step + 1) * batch_size):
         lane, q = g % lanes, g // lanes
-        lane_members = members[lane::lanes]
-        epoch, pos = divmod(q, len(lane_members))
+        epoch, pos = divmod(q, len(range(lane, n, lanes)))
         if (lane, epoch) not in perms:
+            lane_members = members[lane::lanes]
             gen = torch.Generator().manual_seed((seed * 100_003 + epoch) * lanes + lane)
             perms[(lane, epoch)] = [lane_members[i] for i in torch.randperm(len(lane_members), generator=gen).tolist()]
         out.append(perms[(lane, epoch)][pos])

@@ -29,19 +29,21 @@ def run(
     model: ModelConfig | None = None,
     batch_size: int = 4,
     parallel: dict[str, StageParallelConfig] | None = None,
+    steps: int = STEPS,
+    num_samples: int = 64,
 ) -> RunConfig:
     cfg = RunConfig(
         run_dir=str(run_dir),
         model=model or ModelConfig(),
-        data=DataConfig(frames=9, height=32, width=32, num_samples=64, val_samples=max(4, batch_size)),
+        data=DataConfig(frames=9, height=32, width=32, num_samples=num_samples, val_samples=max(4, batch_size)),
         train=TrainConfig(
-            steps=STEPS,
+            steps=steps,
             batch_size=batch_size,
             micro_batches=2,
             warmup_steps=1,
             log_every=1,
             val_every=1000,
-            ckpt_every=STEPS,
+            ckpt_every=steps,
             progress=False,
             threads=1,
         ),
@@ -284,23 +286,7 @@ def test_data_parallel_ranks_serve_every_frozen_row_from_their_cache_after_one_e
     # steps 1-2; a sample keeps its row (train.data.sample_indices' lanes), hence its rank, so in
     # steps 3-6 each rank's VAE rows all come from its own cache
     colocated = {s: {"ranks": [0, 1], "dp": 2} for s in ("text", "vae", "dit")}
-    cfg = RunConfig(
-        run_dir=str(tmp_path),
-        data=DataConfig(frames=9, height=32, width=32, num_samples=8, val_samples=4),
-        train=TrainConfig(
-            steps=6,
-            batch_size=4,
-            micro_batches=2,
-            warmup_steps=1,
-            log_every=1,
-            val_every=1000,
-            progress=False,
-            threads=1,
-        ),
-        launch=LaunchConfig(nproc=2, timeout_s=120),
-        placement=colocated,
-    )
-    train(cfg)
+    run(tmp_path, 2, colocated, steps=6, num_samples=8)
     served = [e for e in read_events(tmp_path) if e.get("frozen_cache_rows") and e["phase"] == "train"]
     vae = [e for e in served if e["stage"] == "vae"]
     assert {e["step"] for e in vae} == {3, 4, 5, 6}
