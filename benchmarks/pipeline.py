@@ -20,7 +20,7 @@ t2v workloads: 23 placements; u2g: 68.
 
 Workloads (sizes not tuned: the presets, or one stated doubling):
   default    the embedded default (``t2v_tiny``, 17 x 64 x 64 clips);
-  dit_heavy  ``t2v_tiny`` with twice the DiT's layers (``model.dit_layers`` 4 -> 8);
+  dit_heavy  ``t2v_tiny`` with twice the DiT's layers (``model.dit_layers`` 2 -> 4; 4 -> 8 before 2026-12-06);
   vae_heavy  larger clips: twice the frames (``data.frames`` 17 -> 33, 64 x 64): twice the VAE's
              encode work (the DiT's tokens grow too, 5 -> 9 latent frames);
   u2g        the ``u2g_tiny`` preset (vision tower, LLM, connector, VAE, DiT; 17 x 64 x 64).

@@ -14,7 +14,8 @@ and settings on every side (``--requests`` requests, 32 by default):
   ``cores / 2`` threads per group) behind the real HTTP server; ``--clients`` concurrent clients
   (``--max-batch`` by default: as many requests in flight as the batched baseline batches; the
   official ``openai`` client, one thread each) send the requests, each client creating a video,
-  polling it every 10 ms and downloading the MP4, one request after another.
+  retrieving it as the server's ``openai-poll-after-ms`` says (as the SDK's ``videos.poll``;
+  ``--poll-ms``: a fixed interval) and downloading the MP4, one request after another.
 
 Throughput is requests over the wall time of the timed requests (after one warm-up request or batch
 a side). ``throughput_vs_best_baseline`` is mmpipe's over the best of the three baselines. Latency
@@ -175,8 +176,10 @@ def serving(cfg: ServeConfig) -> Iterator[tuple[Engine, Any]]:
 
 
 def request_video(client: Any, model: str, prompt: str, seed: int, args: argparse.Namespace) -> tuple[float, str]:
-    """One video through the API as a client makes it: create, poll every 10 ms until final, download
-    the MP4; returns the latency (create to completed status) and the video id."""
+    """One video through the API as a client makes it: create, retrieve until final, waiting between
+    retrieves what the server's ``openai-poll-after-ms`` says (as the SDK's ``videos.poll`` does;
+    ``--poll-ms`` > 0: that fixed interval instead), download the MP4; returns the latency (create to
+    completed status) and the video id."""
     t0 = time.perf_counter()
     video = client.videos.create(
         model=model,
@@ -184,9 +187,12 @@ def request_video(client: Any, model: str, prompt: str, seed: int, args: argpars
         size=f"{args.width}x{args.height}",
         extra_body={"seed": seed, "frames": args.frames, "steps": args.steps, "guidance": args.guidance},
     )
-    while video.status not in ("completed", "failed"):
-        time.sleep(0.01)
-        video = client.videos.retrieve(video.id)
+    while True:
+        raw = client.videos.with_raw_response.retrieve(video.id)
+        video = raw.parse()
+        if video.status in ("completed", "failed"):
+            break
+        time.sleep((args.poll_ms or int(raw.headers.get("openai-poll-after-ms", 1000))) / 1000)
     latency = time.perf_counter() - t0
     if video.status != "completed":
         raise RuntimeError(f"request with seed {seed} failed: {video.error}")
@@ -268,6 +274,9 @@ def main() -> None:
     parser.add_argument("--text-len", type=int, default=16)
     parser.add_argument("--max-batch", type=int, default=4)
     parser.add_argument("--max-wait-ms", type=float, default=5.0)
+    parser.add_argument(
+        "--poll-ms", type=float, default=0.0, help="mmpipe clients' fixed retrieve interval (0: the server's hint)"
+    )
     parser.add_argument("--run-dir", default=None, help="keep the server's run directory (for mmpipe report)")
     parser.add_argument("--placement", default='{"text": [0], "denoise": [0, 1], "decode": [0, 1]}')
     args = parser.parse_args()
@@ -303,6 +312,7 @@ def main() -> None:
         "cores": os.cpu_count(),
         "requests": args.requests,
         "clients": args.clients,
+        "poll": f"every {args.poll_ms:g} ms" if args.poll_ms else "openai-poll-after-ms",
         "shape": f"{args.frames}x{args.height}x{args.width}",
         "steps": args.steps,
         "guidance": args.guidance,

@@ -139,6 +139,11 @@ def _run_profile(raw: dict[str, Any]) -> None:
         ]
         if "step_s" in entry:
             parts.append(f"optimizer step {entry['step_s'] * 1e3:.1f} ms")
+        if "sharded_step_overhead_s" in entry:
+            fsdp = [entry.get(f"sharded_{k}_overhead_s", 0.0) * 1e3 for k in ("forward", "backward", "step")]
+            parts.append(
+                "sharded on 2 ranks: +{:.1f} ms a forward, +{:.1f} ms a backward, +{:.1f} ms a step".format(*fsdp)
+            )
         print(f"{stage:<10} " + "; ".join(parts))
     line = f"per-step overhead {cal.step_overhead_s * 1e3:.1f} ms"
     if cal.latency_s is not None and cal.bandwidth:

@@ -68,9 +68,9 @@ class ModelConfig:
     text_encoder: Literal["umt5", "qwen2"] = "umt5"
     text_dim: int = 32
     text_len: int = 16
-    dit_heads: int = 16
+    dit_heads: int = 8
     dit_head_dim: int = 16
-    dit_layers: int = 4
+    dit_layers: int = 2
     vae_base_dim: int = 4
     # The tiny preset's VAE: random weights (width vae_base_dim), or "shapes": the Wan-architecture
     # VAE trained on the moving-shapes clips that ships with the package (mmpipe.models.shapes_vae)
@@ -146,10 +146,10 @@ class DataConfig:
 class TrainConfig:
     """Optimisation, logging and checkpointing of ``mmpipe train``."""
 
-    steps: int = 400
+    steps: int = 3000
     batch_size: int = 8  # global batch: samples per optimizer step
     micro_batches: int = 2
-    lr: float = 2e-3
+    lr: float = 3e-3
     warmup_steps: int = 20
     # after the warm-up: constant, or a cosine decay to 0 at train.steps (torchtitan's and diffusers'
     # training scripts' usual choice; a short run ends with the small steps that settle it)

@@ -42,6 +42,10 @@ class Workload:
     order: tuple[str, ...]
     backward: frozenset[str]
     trainable: frozenset[str]
+    # stage -> the share of its samples it computes (a frozen stage served from the frozen-output
+    # cache computes the rest not at all): scales its FLOPs (in ``costs``, by :func:`with_compute_fraction`)
+    # and its fixed cost per action, which a micro-batch served whole from the cache does not pay
+    compute_fraction: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of(cls, name: str, graph: Any, costs: Mapping[str, StageCost], global_batch: int) -> Workload:
@@ -71,7 +75,28 @@ class Workload:
         edges = tuple((a, b) for a, b in self.edges if a in keep and b in keep)
         graph = _Subgraph({s: self.graph.stages[s] for s in order}, edges, order)
         costs = {s: self.costs[s] for s in order}
-        return Workload.of(name or f"{self.name}[{'+'.join(order)}]", graph, costs, self.global_batch)
+        fraction = {s: f for s, f in self.compute_fraction.items() if s in keep}
+        return dataclasses.replace(
+            Workload.of(name or f"{self.name}[{'+'.join(order)}]", graph, costs, self.global_batch),
+            compute_fraction=fraction,
+        )
+
+    def with_compute_fraction(self, fraction: Mapping[str, float]) -> Workload:
+        """This workload with ``fraction[stage]`` of each listed stage's samples computed (see
+        ``compute_fraction``): its FLOPs scaled here, its per-action overhead by the cost model."""
+        bad = {s: f for s, f in fraction.items() if s not in self.costs or not 0.0 <= f <= 1.0}
+        if bad:
+            raise ValueError(f"compute_fraction {bad}: stages of {list(self.order)} with fractions in [0, 1]")
+        costs = dict(self.costs)
+        for stage, f in fraction.items():
+            c = costs[stage]
+            costs[stage] = dataclasses.replace(
+                c,
+                forward_flops=c.forward_flops * f,
+                attention_flops=c.attention_flops * f,
+                block_flops=c.block_flops * f,
+            )
+        return dataclasses.replace(self, costs=costs, compute_fraction=dict(fraction))
 
     def model_flops(self, stage: str) -> float:
         """FLOPs per sample of ``stage`` (forward, plus backward when on the backward path)."""
@@ -190,10 +215,15 @@ class CostModel:
         group = dp * sp
         train = stage in w.backward
         trainable = stage in w.trainable
-        fwd = self.overhead(stage, "forward_overhead_s") + n * c.forward_flops / sp / self.rate(stage, "forward")
+        fwd_overhead = self.overhead(stage, "forward_overhead_s") * w.compute_fraction.get(stage, 1.0)
+        bwd_overhead = self.overhead(stage, "backward_overhead_s")
+        if trainable and group > 1:  # FSDP2's hooks per action, as mmpipe profile's two-rank run measured them
+            fwd_overhead += self.overhead(stage, "sharded_forward_overhead_s")
+            bwd_overhead += self.overhead(stage, "sharded_backward_overhead_s")
+        fwd = fwd_overhead + n * c.forward_flops / sp / self.rate(stage, "forward")
         bwd = 0.0
         if train:
-            bwd = self.overhead(stage, "backward_overhead_s") + n * c.backward_flops / sp / self.rate(stage, "backward")
+            bwd = bwd_overhead + n * c.backward_flops / sp / self.rate(stage, "backward")
         rec = recompute * n * c.block_flops / sp / self.rate(stage, "forward") if train else 0.0
         # Ulysses: four all-to-alls per block (q, k, v, out) each way, of this rank's shard.
         a2a_f = a2a_b = 0.0
@@ -220,7 +250,10 @@ class CostModel:
             gather = self.collective("all_gather", width * c.params, group)
             fsdp = gather / micro_batches if gather_once else gather * (2 + recompute if train else 1)
             if trainable:
+                # the gradients' reduce-scatter, plus what sharding costs the optimizer step beyond
+                # the priced collectives (mmpipe profile's two-rank run: sharded tensors, the norm)
                 sync = self.collective("reduce_scatter", width * c.params, group)
+                sync += self.overhead(stage, "sharded_step_overhead_s")
         # Offload of saved activations to host memory and back, overlapped with compute.
         moved = offload * (1 - recompute) * n * c.block_activation_bytes / sp if train else 0.0
         offload_s = 2 * moved / self.cluster.host_bandwidth

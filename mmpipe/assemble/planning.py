@@ -3,7 +3,6 @@ and the prediction for a given placement (the report)."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import os
@@ -56,18 +55,14 @@ def plan(
     torch.float32), ...}``. ``global_batch``: samples per step, kept exactly; ``None`` uses up to
     one sample per device. ``report.plan(graph)`` is the runtime's plan of the chosen layout.
     ``compute_fraction``: stage -> the share of its samples it computes (the rest served by the
-    frozen-output cache), which scales its FLOPs.
+    frozen-output cache), which scales its FLOPs and its calibrated fixed cost per forward.
     """
     cluster = Cluster.preset(cluster) if isinstance(cluster, str) else cluster
     if isinstance(calibration, str | Path):
         calibration = Calibration.load(calibration)
     costs = measure_graph_costs(graph, inputs)
-    for stage, f in (compute_fraction or {}).items():
-        c = costs[stage]
-        costs[stage] = dataclasses.replace(
-            c, forward_flops=c.forward_flops * f, attention_flops=c.attention_flops * f, block_flops=c.block_flops * f
-        )
     workload = Workload.of(name or graph.name, graph, costs, global_batch or cluster.world_size)
+    workload = workload.with_compute_fraction(compute_fraction or {})
     planner = Planner(
         workload,
         cluster,

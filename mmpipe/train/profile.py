@@ -18,11 +18,14 @@ import os
 import statistics
 import sys
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from mmpipe.assemble.graphs import planning_graph
 from mmpipe.config import DataConfig, LaunchConfig, ModelConfig, ProfileConfig, RunConfig, TrainConfig, from_dict
 from mmpipe.devices import DeviceType, resolve_device
+from mmpipe.graph import Graph
 from mmpipe.runtime.events import read_events
 from mmpipe.runtime.probe import probe_transport
 from mmpipe.sched.calibration import Calibration
@@ -119,7 +122,74 @@ def profile(
     transport: dict[str, float] = {}
     if probe and not cuda:
         transport = probe_transport()
+        # the gather (once a step) and the gradient reduce-scatter the cost model prices for a sharded stage
+        width, lat, bw = (
+            Cluster.local(2).dtype_bytes,
+            transport["collective_latency_s"],
+            transport["collective_bandwidth"],
+        )
+        priced = {n: 2 * (lat + width * costs[n].params / bw) for n in graph.topological_order()}
+        for name, extra in sharded_overheads(graph, cfg, t2, warmup, priced).items():
+            stages[name].update(extra)
     return Calibration(cluster.device, cluster.peak_flops, stages, statistics.median(overheads), **transport)
+
+
+def sharded_overheads(
+    graph: Graph,
+    single: RunConfig,
+    timings: Mapping[tuple[str, str], float],
+    warmup: int,
+    priced: Mapping[str, float],
+) -> dict[str, dict[str, float]]:
+    """What FSDP2 adds to a trainable stage on two CPU ranks beyond its compute (its hooks, the
+    optimizer on sharded tensors, the gradient reduction and norm): the single-rank run ``single``
+    again with every stage data-parallel on both ranks (the trainable ones sharded, parameters
+    gathered once a step), the same micro-batch size per rank. Per trainable stage, the median
+    forward and backward on rank 0 less the same in the single-rank ``timings``
+    (``sharded_forward_overhead_s`` / ``sharded_backward_overhead_s``, per action), and the rest of its
+    time a step (the first forward's gather, the last backward's reduce-scatter, the optimizer on
+    sharded tensors) beyond those and the single-rank optimizer step, less ``priced`` (stage -> the
+    gather and reduce-scatter the cost model prices itself, from the transport probe):
+    ``sharded_step_overhead_s``. The cost model adds them to a sharded configuration's forward,
+    backward and gradient sync."""
+    placement: dict[str, Any] = {
+        name: {"ranks": [0, 1], "dp": 2} | ({} if graph.stages[name].frozen else {"gather_once": True})
+        for name in graph.topological_order()
+    }
+    tc = single.train
+    with tempfile.TemporaryDirectory(prefix="mmpipe-profile-dp-") as tmp:
+        cfg = dataclasses.replace(
+            single,
+            run_dir=str(Path(tmp) / "dp2"),
+            train=dataclasses.replace(tc, batch_size=2 * tc.batch_size),
+            data=dataclasses.replace(single.data, val_samples=max(single.data.val_samples, 2 * tc.batch_size)),
+            launch=LaunchConfig(nproc=2),
+            placement=placement,
+        )
+        train(cfg)
+        events = [e for e in read_events(Path(tmp) / "dp2") if e["phase"] == "train" and e["step"] > warmup]
+    steps, m = tc.steps - warmup, tc.micro_batches
+    out: dict[str, dict[str, float]] = {}
+    for stage in graph.trainable_stages():
+        name = stage.name
+        if not all((name, k) in timings for k in ("F", "B", "STEP")):
+            continue
+        mine = {
+            k: [e["end"] - e["start"] for e in events if (e["stage"], e["kind"], e["rank"]) == (name, k, 0)]
+            for k in ("F", "B", "STEP")
+        }
+        f, b = statistics.median(mine["F"]), statistics.median(mine["B"])
+        # the rest of a step's time in this stage (the first forward's gather, the last backward's
+        # reduce-scatter, the step) beyond the typical forwards and backwards and the plain step
+        rest = (
+            sum(sum(v) for v in mine.values()) / steps - m * (f + b) - timings[(name, "STEP")] - priced.get(name, 0.0)
+        )
+        out[name] = {
+            "sharded_forward_overhead_s": max(0.0, f - timings[(name, "F")]),
+            "sharded_backward_overhead_s": max(0.0, b - timings[(name, "B")]),
+            "sharded_step_overhead_s": max(0.0, rest),
+        }
+    return out
 
 
 TRANSPORT = ("latency_s", "bandwidth", "collective_latency_s", "collective_bandwidth")

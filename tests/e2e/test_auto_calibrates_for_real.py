@@ -37,6 +37,9 @@ def test_auto_calibrates_for_real_once(tmp_path: Path, monkeypatch: pytest.Monke
     assert calls == [path]
     cal = Calibration.load(path)
     assert set(cal.stages) == {"text", "vae", "dit"} and cal.stages["dit"]["backward"] > 0
+    sharded = {f"sharded_{k}_overhead_s" for k in ("forward", "backward", "step")}
+    assert sharded <= set(cal.stages["dit"])  # the two-rank FSDP run: the trained stage only
+    assert not sharded & (set(cal.stages["text"]) | set(cal.stages["vae"]))
     assert cal.latency_s is not None and cal.bandwidth
     assert sorted(p.name for p in path.parent.iterdir()) == ["calibration-cpu.json", "costs"]  # no temporary left
     assert placements[0] == placements[1] and isinstance(placements[0], dict)

@@ -28,7 +28,7 @@ from mmpipe.config import ServeConfig
 from mmpipe.data import read_video
 from mmpipe.serve import app as app_module
 from mmpipe.serve.metrics import ServeMetrics
-from mmpipe.serve.protocol import JobStatus
+from mmpipe.serve.protocol import GenerationRequest, Job, JobStatus
 
 VIDEOS, IMAGES = "/v1/videos", "/v1/images/generations"
 # The client marks its video helpers deprecated (OpenAI's own video service is closing): they still
@@ -226,6 +226,19 @@ def test_content_before_completion_is_409_and_unknown_is_404() -> None:
         code, headers, body = call(f"{url}/v1/videos/{job['id']}/content")
         assert code == 200 and headers["content-type"] == "video/mp4" and body[4:8] == b"ftyp"
         assert call(f"{url}/v1/videos/{job['id']}/content?variant=spritesheet")[0] == 400
+
+
+def test_poll_hint_is_half_the_remaining_time_its_progress_predicts() -> None:
+    job = Job(GenerationRequest(prompt="a"))
+    assert app_module.poll_after_ms(job) == 250  # queued: the fixed hint
+    job.status, job.started_at, job.progress = JobStatus.IN_PROGRESS, 100.0, 50
+    assert app_module.poll_after_ms(job, now=101.0) == 500  # 1 s for half: 1 s left, poll in 0.5 s
+    job.progress = 99
+    assert app_module.poll_after_ms(job, now=101.0) == 10  # never below the floor
+    job.progress = 5
+    assert app_module.poll_after_ms(job, now=110.0) == 1000  # never above the cap
+    job.finish(JobStatus.COMPLETED)
+    assert app_module.poll_after_ms(job, now=110.0) == 10
 
 
 def test_create_and_poll_follows_the_job() -> None:

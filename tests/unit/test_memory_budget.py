@@ -106,10 +106,11 @@ def test_choice_fits_in_the_estimator_and_in_a_real_run(tmp_path) -> None:  # ty
 
 
 def _run_config(tmp_path, gb: float):  # type: ignore[no-untyped-def]
-    from mmpipe.config import DataConfig, LaunchConfig, RunConfig, StageMemoryConfig, TrainConfig
+    from mmpipe.config import DataConfig, LaunchConfig, ModelConfig, RunConfig, StageMemoryConfig, TrainConfig
 
     return RunConfig(
         run_dir=str(tmp_path / "run"),
+        model=ModelConfig(dit_layers=4, dit_heads=16),  # the budgets below are sized for this DiT
         data=DataConfig(frames=17, height=64, width=64, num_samples=32, val_samples=8),
         train=TrainConfig(steps=2, batch_size=8, micro_batches=4, progress=False, threads=1),
         launch=LaunchConfig(nproc=2),
@@ -162,11 +163,13 @@ def test_policy_per_block_from_the_config(tiny_wan_dir) -> None:
         plan, _ = make_plans(graph, RunConfig(launch=LaunchConfig(nproc=2), memory=memory))
         return plan.groups["dit"]
 
-    group = dit({"dit": StageMemoryConfig(blocks=["offload", "recompute", "selective", "keep"])})
-    assert (group.blocks, group.recompute, group.offload) == ("orsk", 0.25, 0.25)
-    assert dit({"dit": StageMemoryConfig(policy="selective")}).blocks == "ssss"
-    with pytest.raises(PlanError, match="memory.dit.blocks names 2 policies; stage 'dit' has 4 repeated blocks"):
-        dit({"dit": StageMemoryConfig(blocks=["offload", "keep"])})
+    group = dit({"dit": StageMemoryConfig(blocks=["offload", "recompute"])})  # the tiny DiT's 2 blocks
+    assert (group.blocks, group.recompute, group.offload) == ("or", 0.5, 0.5)
+    group = dit({"dit": StageMemoryConfig(blocks=["selective", "keep"])})
+    assert (group.blocks, group.recompute, group.offload) == ("sk", 0.0, 0.0)
+    assert dit({"dit": StageMemoryConfig(policy="selective")}).blocks == "ss"
+    with pytest.raises(PlanError, match="memory.dit.blocks names 3 policies; stage 'dit' has 2 repeated blocks"):
+        dit({"dit": StageMemoryConfig(blocks=["offload", "keep", "keep"])})
     with pytest.raises(PlanError, match="memory.text.blocks: stage 'text' runs no backward"):
         dit({"text": StageMemoryConfig(blocks=["keep", "keep"])})
     with pytest.raises(ValueError, match=r"memory.dit.blocks\[1\]='bogus': expected one of"):

@@ -361,6 +361,45 @@ def fixed_cost_calibration(cluster: Cluster) -> Calibration:
     return Calibration("cpu", cluster.peak_flops, per_stage)
 
 
+def test_a_cached_stage_pays_its_share_of_the_fixed_cost_per_action() -> None:
+    # A micro-batch served whole from the frozen-output cache runs no forward: its fixed cost (the
+    # VAE's 40 ms, which calibration on a CPU makes most of its time) scales with the computed share.
+    cluster = Cluster.local(2)
+    workload, cal = tiny_bundle_workload(), fixed_cost_calibration(cluster)
+    full = CostModel(cluster, workload, cal).configure("vae", 4, 1, 1, 1, 0.0, 0.0).forward_s
+    flops_s = 4 * 5e9 / cluster.peak_flops
+    assert full == pytest.approx(0.04 + flops_s)
+    cached = workload.with_compute_fraction({"vae": 0.1})
+    assert CostModel(cluster, cached, cal).configure("vae", 4, 1, 1, 1, 0.0, 0.0).forward_s == pytest.approx(
+        0.1 * (0.04 + flops_s)
+    )
+    assert CostModel(cluster, cached, cal).configure("dit", 4, 1, 1, 1, 0.0, 0.0) == CostModel(
+        cluster, workload, cal
+    ).configure("dit", 4, 1, 1, 1, 0.0, 0.0)
+    assert cached.only(["vae", "dit"]).compute_fraction == {"vae": 0.1}
+    with pytest.raises(ValueError, match=r"compute_fraction \{'vae': 1.5\}"):
+        workload.with_compute_fraction({"vae": 1.5})
+    with pytest.raises(ValueError, match=r"compute_fraction \{'llm': 0.5\}"):
+        workload.with_compute_fraction({"llm": 0.5})
+
+
+def test_a_sharded_stage_pays_what_profile_measured_fsdp_adds() -> None:
+    # mmpipe profile's two-rank run measures FSDP2's cost beyond the priced collectives: per forward,
+    # per backward and per step (the gradient sync); a replicated or single-rank stage pays none of it.
+    cluster = Cluster.local(2)
+    workload, cal = tiny_bundle_workload(), fixed_cost_calibration(cluster)
+    extra = {"sharded_forward_overhead_s": 0.001, "sharded_backward_overhead_s": 0.002, "sharded_step_overhead_s": 0.03}
+    sharded_cal = dataclasses.replace(cal, stages={**cal.stages, "dit": {**cal.stages["dit"], **extra}})
+    plain, sharded = CostModel(cluster, workload, cal), CostModel(cluster, workload, sharded_cal)
+    one, two = (plain.configure("dit", 2, dp, 1, 1, 0.0, 0.0) for dp in (1, 2))
+    assert sharded.configure("dit", 2, 1, 1, 1, 0.0, 0.0) == one  # one rank: nothing sharded
+    got = sharded.configure("dit", 2, 2, 1, 1, 0.0, 0.0)
+    assert got.forward_s == pytest.approx(two.forward_s + 0.001)
+    assert got.backward_s == pytest.approx(two.backward_s + 0.002)
+    assert got.sync_s == pytest.approx(two.sync_s + 0.03)
+    assert sharded.configure("vae", 2, 2, 1, 1, 0.0, 0.0) == plain.configure("vae", 2, 2, 1, 1, 0.0, 0.0)  # frozen
+
+
 def test_bundles_put_a_light_encoder_with_the_trainable_stage() -> None:
     # Two CPU ranks with fixed costs per action (as `mmpipe profile` measures them on this
     # machine: the VAE's 40 ms dominate): splitting every stage over both ranks pays each fixed
