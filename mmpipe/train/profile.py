@@ -54,7 +54,8 @@ def profile(
     a per-sample part, whose FLOPs (from the cost model) over the nominal peak are the efficiency;
     STEP events give the optimizer time, and the wall time not spent in actions the per-step
     overhead. ``probe`` also measures the transport's latency and bandwidth between two CPU ranks
-    (not on a GPU: its ranks' transport is NCCL's, one GPU each).
+    and, from a two-rank data-parallel run, what FSDP2 adds to each trained stage
+    (:func:`sharded_overheads`); not on a GPU: its ranks' transport is NCCL's, one GPU each.
     """
     if model.arch is not None:
         raise ValueError(f"model {model.name!r} is architecture-only (no weights): profile a model with weights")
@@ -178,6 +179,8 @@ def sharded_overheads(
             k: [e["end"] - e["start"] for e in events if (e["stage"], e["kind"], e["rank"]) == (name, k, 0)]
             for k in ("F", "B", "STEP")
         }
+        if not all(mine.values()):
+            continue
         f, b = statistics.median(mine["F"]), statistics.median(mine["B"])
         # the rest of a step's time in this stage (the first forward's gather, the last backward's
         # reduce-scatter, the step) beyond the typical forwards and backwards and the plain step
