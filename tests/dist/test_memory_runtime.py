@@ -10,17 +10,19 @@ import pytest
 import torch
 from test_parity import dit_params
 
-from mmpipe.config import DataConfig, LaunchConfig, RunConfig, StageMemoryConfig, TrainConfig
+from mmpipe.config import DataConfig, LaunchConfig, ModelConfig, RunConfig, StageMemoryConfig, TrainConfig
 from mmpipe.runtime.events import read_events
 from mmpipe.rundir import read_metrics
 from mmpipe.train import train
 
 
 def _run(run_dir: Path, nproc: int, placement: dict | None, memory: dict | None = None) -> None:
-    # 64 x 64 clips of 17 frames: the DiT's saved activations exceed the offload threshold (64 KiB)
+    # 64 x 64 clips of 17 frames: the DiT's saved activations exceed the offload threshold (64 KiB);
+    # a DiT of 4 blocks of 16 heads, so that half, a quarter and one policy per block are whole blocks
     train(
         RunConfig(
             run_dir=str(run_dir),
+            model=ModelConfig(dit_layers=4, dit_heads=16),
             data=DataConfig(frames=17, height=64, width=64, num_samples=32, val_samples=8),
             train=TrainConfig(
                 steps=2, batch_size=8, micro_batches=4, warmup_steps=1, log_every=1, val_every=1000,

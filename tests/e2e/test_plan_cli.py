@@ -10,6 +10,7 @@ from pathlib import Path
 
 import yaml
 
+from mmpipe.config import ModelConfig
 from mmpipe.sched.calibration import Calibration
 
 SMALL = [
@@ -101,7 +102,10 @@ def test_plan_and_train_reject_bad_input_before_starting(tmp_path: Path) -> None
         f"run_dir={tmp_path / 'heads'}",
         cwd=tmp_path,
     )
-    assert res.returncode == 2 and "16 attention heads cannot be split over ulysses=3" in res.stderr
+    assert (
+        res.returncode == 2
+        and f"{ModelConfig().dit_heads} attention heads cannot be split over ulysses=3" in res.stderr
+    )
     res = mmpipe("train", "model=wan14b_t2v", "train.steps=1", f"run_dir={tmp_path / 'big'}", cwd=tmp_path)
     assert res.returncode == 2 and "architecture-only" in res.stderr
 
