@@ -11,7 +11,8 @@ and settings on every side (``--requests`` requests, 32 by default):
   the next one as it finishes its last).
 * **mmpipe**: the engine with a 2-group placement (default: text on group 0, DiT replicas on
   groups 0 and 1, VAE decode on both, where the request denoised; one worker process and
-  ``cores / 2`` threads per group) behind the real HTTP server; ``--clients`` concurrent clients
+  ``cores / 2`` threads per group) behind the real HTTP server, in a process of its own (as
+  ``mmpipe serve`` runs; the clients run in this one, on the same cores); ``--clients`` concurrent clients
   (``--max-batch`` by default: as many requests in flight as the batched baseline batches; the
   official ``openai`` client, one thread each) send the requests, each client creating a video,
   retrieving it as the server's ``openai-poll-after-ms`` says (as the SDK's ``videos.poll``;
@@ -175,6 +176,47 @@ def serving(cfg: ServeConfig) -> Iterator[tuple[Engine, Any]]:
         engine.close(drain=False)
 
 
+def _server_process(cfg: ServeConfig, conn: Any) -> None:
+    """The engine behind the real HTTP server in a process of its own, as ``mmpipe serve`` runs it:
+    sends its URL, then answers one message (the ids of the served videos) with their frames and the
+    placement, and stops."""
+    engine = Engine(cfg)
+    try:
+        http = HttpServer(engine, bind("127.0.0.1", 0), log_level="warning").start()
+        try:
+            conn.send(http.url)
+            ids = conn.recv()
+            jobs = [engine.get(i) for i in ids]
+            conn.send(([j.frames if j is not None else None for j in jobs], engine.placement_text()))
+        finally:
+            http.stop()
+            http.join(10)
+    finally:
+        engine.close(drain=False)
+
+
+@contextlib.contextmanager
+def serving_process(cfg: ServeConfig) -> Iterator[tuple[Any, Any]]:
+    """:func:`serving` with the server in a child process (its own interpreter and GIL, as a deployed
+    server is), and an ``openai`` client of it here; yields the client and the pipe that
+    :func:`_server_process` answers on."""
+    import openai
+
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    proc = ctx.Process(target=_server_process, args=(cfg, there))
+    proc.start()
+    try:
+        if not here.poll(600):
+            raise RuntimeError("the mmpipe server did not start within 600 s")
+        url = here.recv()
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0), here
+    finally:
+        proc.join(60)
+        if proc.is_alive():
+            proc.kill()
+
+
 def request_video(client: Any, model: str, prompt: str, seed: int, args: argparse.Namespace) -> tuple[float, str]:
     """One video through the API as a client makes it: create, retrieve until final, waiting between
     retrieves what the server's ``openai-poll-after-ms`` says (as the SDK's ``videos.poll`` does;
@@ -237,7 +279,7 @@ def run_mmpipe(path: Path, args: argparse.Namespace, seeds: list[int], run_dir: 
         steps=args.steps,
         guidance=args.guidance,
     )
-    with serving(cfg) as (engine, client):
+    with serving_process(cfg) as (client, server):
 
         def one(i: int) -> tuple[float, str]:
             return request_video(client, cfg.model_name, PROMPTS[i % len(PROMPTS)], seeds[i], args)
@@ -246,12 +288,11 @@ def run_mmpipe(path: Path, args: argparse.Namespace, seeds: list[int], run_dir: 
         unloaded = [one(i)[0] for i in range(args.unloaded)]
         results: dict[int, tuple[float, str]] = {}
         total = run_clients(one, args.requests, args.clients, results)
-        frames = []
-        for i in range(args.requests):
-            job = engine.get(results[i][1])
-            assert job is not None and job.frames is not None
-            frames.append(job.frames)
-        placement = engine.placement_text()
+        server.send([results[i][1] for i in range(args.requests)])
+        if not server.poll(600):
+            raise RuntimeError("the mmpipe server did not return the served frames within 600 s")
+        frames, placement = server.recv()
+        assert all(f is not None for f in frames), "a served video was dropped before its frames were read"
     return {
         "latencies": [results[i][0] for i in range(args.requests)],
         "unloaded": unloaded,

@@ -228,6 +228,16 @@ def test_content_before_completion_is_409_and_unknown_is_404() -> None:
         assert call(f"{url}/v1/videos/{job['id']}/content?variant=spritesheet")[0] == 400
 
 
+def test_accepted_connections_send_without_nagle() -> None:
+    # Keep-alive clients (the openai SDK) waited ~40 ms a request for Nagle + delayed ACK before this.
+    from mmpipe.serve.server import bind
+
+    with bind("127.0.0.1", 0) as listener, socket.create_connection(listener.getsockname()[:2]):
+        accepted, _ = listener.accept()
+        with accepted:
+            assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+
+
 def test_poll_hint_is_half_the_remaining_time_its_progress_predicts() -> None:
     job = Job(GenerationRequest(prompt="a"))
     assert app_module.poll_after_ms(job) == 250  # queued: the fixed hint
