@@ -34,6 +34,8 @@ from mmpipe.sched.cost import measure_graph_costs
 from mmpipe.sched.simulator import measured_step_time
 from mmpipe.train import train
 
+PER_SAMPLE_FLOOR = 0.05  # the least share of an action's time profile attributes to its samples
+
 
 def profile(
     model: ModelConfig,
@@ -110,11 +112,7 @@ def profile(
         ):
             if (name, kind) not in t2 or not flops:
                 continue
-            per_sample = (t2[(name, kind)] - t1[(name, kind)]) / (n2 - n1)
-            if per_sample <= 0:  # within noise: attribute all of it to the samples
-                per_sample, fixed = t2[(name, kind)] / n2, 0.0
-            else:
-                fixed = max(0.0, t1[(name, kind)] - n1 * per_sample)
+            per_sample, fixed = fit_action(t1[(name, kind)], t2[(name, kind)], n1, n2)
             entry[direction] = flops / (cluster.peak_flops * per_sample)
             entry[f"{direction}_overhead_s"] = fixed
         if (name, "STEP") in t2:
@@ -133,6 +131,17 @@ def profile(
         for name, extra in sharded_overheads(graph, cfg, t2, warmup, priced).items():
             stages[name].update(extra)
     return Calibration(cluster.device, cluster.peak_flops, stages, statistics.median(overheads), **transport)
+
+
+def fit_action(t1: float, t2: float, n1: int, n2: int) -> tuple[float, float]:
+    """An action's seconds per sample and fixed seconds from its median times ``t1`` / ``t2`` at
+    micro-batch sizes ``n1`` < ``n2``: the line through both points. Where it grows by less than
+    ``PER_SAMPLE_FLOOR`` of ``t2`` per ``n2`` samples (or shrinks: timing noise), the action's cost is
+    its fixed part (a small stage's per-op overhead, e.g. the tiny VAE's causal chunks): the samples
+    get that floor and the rest of ``t2`` is fixed. (Attributing it all to the samples instead made a
+    fixed-cost VAE look twice as fast on half the samples, and data parallelism look free.)"""
+    per_sample = max(PER_SAMPLE_FLOOR * t2 / n2, (t2 - t1) / (n2 - n1))
+    return per_sample, max(0.0, t2 - n2 * per_sample)
 
 
 def sharded_overheads(

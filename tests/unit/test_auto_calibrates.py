@@ -130,3 +130,14 @@ def test_merging_keeps_what_was_measured_and_adds_the_new_stages() -> None:
     assert out.stages["dit"] == old.stages["dit"] and out.stages["llm"] == {"forward": 0.5}
     assert out.step_overhead_s == old.step_overhead_s and out.bandwidth == old.bandwidth
     assert out.latency_s == 2e-4  # what the old file lacked
+
+
+def test_profile_fits_a_line_and_calls_flat_or_shrinking_times_fixed_cost() -> None:
+    from mmpipe.train.profile import PER_SAMPLE_FLOOR, fit_action
+
+    assert fit_action(0.03, 0.05, 1, 2) == pytest.approx((0.02, 0.01))  # 20 ms a sample + 10 ms fixed
+    # noise made 2 samples no slower than 1 (a fixed-cost VAE): the floor per sample, the rest fixed
+    # (it was all per sample, so data parallelism over such a stage looked twice as fast)
+    per_sample, fixed = fit_action(0.110, 0.105, 1, 2)
+    assert per_sample == pytest.approx(PER_SAMPLE_FLOOR * 0.105 / 2) and fixed == pytest.approx(0.105 * 0.95)
+    assert fit_action(0.100, 0.1001, 1, 2)[1] == pytest.approx(0.1001 * 0.95)  # growth within the floor
