@@ -177,22 +177,13 @@ def serving(cfg: ServeConfig) -> Iterator[tuple[Engine, Any]]:
 
 
 def _server_process(cfg: ServeConfig, conn: Any) -> None:
-    """The engine behind the real HTTP server in a process of its own, as ``mmpipe serve`` runs it:
-    sends its URL, then answers one message (the ids of the served videos) with their frames and the
+    """:func:`serving` in a process of its own, as ``mmpipe serve`` runs it: sends the API's base
+    URL, then answers one message (the ids of the served videos) with their frames and the
     placement, and stops."""
-    engine = Engine(cfg)
-    try:
-        http = HttpServer(engine, bind("127.0.0.1", 0), log_level="warning").start()
-        try:
-            conn.send(http.url)
-            ids = conn.recv()
-            jobs = [engine.get(i) for i in ids]
-            conn.send(([j.frames if j is not None else None for j in jobs], engine.placement_text()))
-        finally:
-            http.stop()
-            http.join(10)
-    finally:
-        engine.close(drain=False)
+    with serving(cfg) as (engine, client):
+        conn.send(str(client.base_url))
+        jobs = [engine.get(i) for i in conn.recv()]
+        conn.send(([j.frames if j is not None else None for j in jobs], engine.placement_text()))
 
 
 @contextlib.contextmanager
@@ -209,8 +200,7 @@ def serving_process(cfg: ServeConfig) -> Iterator[tuple[Any, Any]]:
     try:
         if not here.poll(600):
             raise RuntimeError("the mmpipe server did not start within 600 s")
-        url = here.recv()
-        yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0), here
+        yield openai.OpenAI(base_url=here.recv(), api_key="unused", max_retries=0), here
     finally:
         proc.join(60)
         if proc.is_alive():

@@ -305,11 +305,8 @@ class CostModel:
 
     def collective(self, kind: str, nbytes: float, ranks: int) -> float:
         """A ring collective over ``ranks`` consecutive ranks; the measured transport when calibrated."""
-        cal = self.calibrated
-        if cal is not None and cal.collective_latency_s is not None and cal.collective_bandwidth and ranks > 1:
-            # measured between two ranks; a ring over more ranks takes ranks - 1 such steps
-            return (ranks - 1) * (cal.collective_latency_s + nbytes / cal.collective_bandwidth)
-        return self.cluster.collective_seconds(kind, nbytes, self._span(ranks))
+        measured = self.calibrated.collective_seconds(nbytes, ranks) if self.calibrated is not None else None
+        return measured if measured is not None else self.cluster.collective_seconds(kind, nbytes, self._span(ranks))
 
     def costs(self, stage: str) -> StageCost:
         return self.w.costs[stage]

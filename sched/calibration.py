@@ -36,6 +36,13 @@ class Calibration:
     def value(self, stage: str, key: str) -> float:
         return float(self.stages.get(stage, {}).get(key, 0.0))
 
+    def collective_seconds(self, nbytes: float, ranks: int) -> float | None:
+        """A ring collective of ``nbytes`` over ``ranks`` ranks at the measured transport (measured
+        between two ranks; a ring over more takes ``ranks - 1`` such steps); None when unmeasured."""
+        if self.collective_latency_s is None or not self.collective_bandwidth or ranks <= 1:
+            return None
+        return (ranks - 1) * (self.collective_latency_s + nbytes / self.collective_bandwidth)
+
     def save(self, path: str | Path) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -121,13 +121,15 @@ def profile(
     transport: dict[str, float] = {}
     if probe and not cuda:
         transport = probe_transport()
-        # the gather (once a step) and the gradient reduce-scatter the cost model prices for a sharded stage
-        width, lat, bw = (
-            Cluster.local(2).dtype_bytes,
-            transport["collective_latency_s"],
-            transport["collective_bandwidth"],
-        )
-        priced = {n: 2 * (lat + width * costs[n].params / bw) for n in graph.topological_order()}
+        # the gather (once a step) and the gradient reduce-scatter the cost model prices for a
+        # sharded stage on two ranks, at the transport just measured
+        measured = Calibration(cluster.device, cluster.peak_flops, {}, **transport)
+        width = Cluster.local(2).dtype_bytes
+        priced = {
+            s.name: 2 * (measured.collective_seconds(width * costs[s.name].params, 2) or 0.0)
+            for s in graph.trainable_stages()
+        }
+        # cfg: the last single-rank run, at micro-batch size n2, whose timings are t2
         for name, extra in sharded_overheads(graph, cfg, t2, warmup, priced).items():
             stages[name].update(extra)
     return Calibration(cluster.device, cluster.peak_flops, stages, statistics.median(overheads), **transport)
