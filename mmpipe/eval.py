@@ -3,7 +3,10 @@
 Generates every caption of the moving-shapes grid (colour x shape x direction: 8 x 3 x 4 = 96,
 fixed seeds) with the run's latest checkpoint, and scores each decoded video with the
 deterministic tracker of :mod:`mmpipe.data.tracker` (colour of the foreground, its shape, the
-direction of its centroid's trajectory). Also measures the run's VAE: reconstruction PSNR on
+direction of its centroid's trajectory). An understand-then-generate run (``model.kind=u2g``) is
+given, per grid entry, a still of the coloured shape mid-frame (one still per colour and shape,
+the same for its four directions) and the instruction "make it move <direction>": its colour and
+shape must come from the image, its direction from the text. Also measures the run's VAE: reconstruction PSNR on
 held-out clips (a dataset seed no run trains on). Writes ``RUN_DIR/eval/eval.json`` (``color_acc``,
 ``direction_acc``, ``shape_acc``, ``vae_psnr_db``, ``n`` and every clip's verdict) and a contact sheet
 ``RUN_DIR/eval/contact_sheet.png`` (first and last frame of every clip, its caption and the
@@ -26,7 +29,8 @@ import torch
 from PIL import Image, ImageDraw
 from tqdm import tqdm
 
-from mmpipe.data import frames_to_uint8
+from mmpipe.config import DataConfig
+from mmpipe.data import frames_to_uint8, instruct_clip, instruction
 from mmpipe.data.shapes import COLORS, DIRECTIONS, SHAPES
 from mmpipe.data.tracker import track
 from mmpipe.devices import DeviceType
@@ -71,14 +75,31 @@ def check_eval_run(run_dir: Path) -> None:
             f"RUN_DIR={str(run_dir)!r} trained on data.root={cfg.data.root!r}; mmpipe eval scores the "
             "moving-shapes captions, so it evaluates runs trained on them (data.root=null)"
         )
-    if cfg.model.kind != "t2v":
-        raise ValueError(f"RUN_DIR={str(run_dir)!r}: model.kind={cfg.model.kind!r}; mmpipe eval scores t2v runs")
+    if cfg.model.kind not in ("t2v", "u2g"):
+        raise ValueError(
+            f"RUN_DIR={str(run_dir)!r}: model.kind={cfg.model.kind!r}; mmpipe eval scores t2v and u2g runs"
+        )
+
+
+def still_seed(color: str, shape: str, seed: int) -> int:
+    """The seed of the still an understand-then-generate run is shown for ``color`` ``shape``."""
+    return seed * 1000 + COLORS.index(color) * len(SHAPES) + SHAPES.index(shape)
+
+
+def stills(batch: Sequence[tuple[str, str, str]], data: DataConfig, seed: int) -> torch.Tensor:
+    """``(B, 3, H, W)`` in [-1, 1]: the first frame of an instruct-task clip of each entry's colour
+    and shape (the same for every direction)."""
+    size = {"frames": data.frames, "height": data.height, "width": data.width}
+    return torch.stack(
+        [instruct_clip(c, s, d, seed=still_seed(c, s, seed), **size)["video"][:, 0] for c, s, d in batch]
+    )
 
 
 def evaluate(run_dir: Path, options: EvalOptions = EvalOptions(), *, progress: bool = True) -> dict[str, Any]:
     """Generate and score the grid, measure the VAE; write ``eval.json`` and the contact sheet."""
     check_eval_run(run_dir)
-    data = load_run_config(run_dir).data
+    cfg = load_run_config(run_dir)
+    data, instruct = cfg.data, cfg.model.kind == "u2g"
     start = time.perf_counter()
     graph = load_trained_graph(run_dir, DeviceType.CPU)
     grid = GRID[: options.clips]
@@ -86,9 +107,14 @@ def evaluate(run_dir: Path, options: EvalOptions = EvalOptions(), *, progress: b
     firsts_lasts: list[tuple[np.ndarray, np.ndarray]] = []
     batches = [grid[i : i + options.batch] for i in range(0, len(grid), options.batch)]
     for i, batch in enumerate(tqdm(batches, desc="eval: generate", unit="batch", disable=not progress)):
-        prompts = [f"a {c} {s} moving {d}" for c, s, d in batch]
+        if instruct:  # the still of each entry's colour and shape, and the instruction
+            prompts = [instruction(d) for _, _, d in batch]
+            args: tuple[Any, ...] = (stills(batch, data, options.seed), prompts)
+        else:
+            prompts = [f"a {c} {s} moving {d}" for c, s, d in batch]
+            args = (prompts,)
         video = graph.generate(
-            prompts,
+            *args,
             height=data.height,
             width=data.width,
             num_frames=data.frames,
@@ -102,6 +128,11 @@ def evaluate(run_dir: Path, options: EvalOptions = EvalOptions(), *, progress: b
             verdict = track(frames_THWC)
             clips.append(
                 {"caption": prompt, "seed": options.seed + i, "verdict": str(verdict)}
+                | (
+                    {"image": f"{color} {shape}", "image_seed": still_seed(color, shape, options.seed)}
+                    if instruct
+                    else {}
+                )
                 | {f"{k}_ok": v for k, v in verdict.matches(color, shape, direction).items()}
                 | {"rgb": [round(v, 3) for v in verdict.rgb], "fill_ratio": round(verdict.fill_ratio, 3)}
             )
@@ -116,6 +147,7 @@ def evaluate(run_dir: Path, options: EvalOptions = EvalOptions(), *, progress: b
         "shape_acc": round(sum(c["shape_ok"] for c in clips) / n, 4),
         "vae_psnr_db": round(psnr, 2),
         "n": n,
+        "task": "instruct" if instruct else "describe",
         "steps": options.steps,
         "guidance": options.guidance,
         "seconds": round(time.perf_counter() - start, 1),
@@ -142,7 +174,11 @@ def contact_sheet(frames: Sequence[tuple[np.ndarray, np.ndarray]], clips: Sequen
         sheet.paste(Image.fromarray(first), (x0 + pad, y0 + pad))
         sheet.paste(Image.fromarray(last), (x0 + 2 * pad + w, y0 + pad))
         ok = clip["color_ok"] and clip["shape_ok"] and clip["direction_ok"]
-        caption = clip["caption"].removeprefix("a ").replace(" moving", "")
+        caption = (
+            f"{clip['image']} > {clip['caption'].split()[-1]}"  # the still, then the instruction's direction
+            if "image" in clip
+            else clip["caption"].removeprefix("a ").replace(" moving", "")
+        )
         draw.text((x0 + pad, y0 + h + pad + 1), caption, fill=(220, 220, 220))
         draw.text((x0 + pad, y0 + h + pad + 13), clip["verdict"], fill=(80, 220, 80) if ok else (240, 80, 80))
     sheet.save(path)

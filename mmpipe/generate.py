@@ -89,9 +89,21 @@ def _checked_run(cfg: GenerateConfig) -> tuple[Path, Path]:
     assert cfg.ckpt is not None  # GenerateConfig.__post_init__ requires one of them
     run_dir = Path(cfg.ckpt)
     check_trained_run(run_dir)
-    root = pipeline_dir(load_run_config(run_dir).model, run_dir)
+    model = load_run_config(run_dir).model
+    root = pipeline_dir(model, run_dir)
     i2v = json.loads((root / "model_index.json").read_text()).get("_class_name") == "WanImageToVideoPipeline"
-    if cfg.image is not None and not i2v:
+    if model.kind == "u2g":
+        if cfg.image is None:
+            raise ValueError(
+                f"ckpt={cfg.ckpt!r} is an understand-then-generate run: give the still it reads, image=FILE "
+                "(and the instruction as the prompt, e.g. prompt='make it move left')"
+            )
+        if cfg.nproc > 1 or cfg.placement is not None or cfg.cache.policy != "none" or cfg.compile:
+            raise ValueError(
+                f"ckpt={cfg.ckpt!r}: an understand-then-generate run generates on one rank without "
+                "placement, cache.policy or compile"
+            )
+    elif cfg.image is not None and not i2v:
         raise ValueError(f"image={cfg.image!r}: the trained run is text-to-video; image is for image-to-video runs")
     if cfg.image is None and i2v:
         raise ValueError(f"ckpt={cfg.ckpt!r} trained WanImageToVideoPipeline: give its first frame, image=FILE")

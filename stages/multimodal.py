@@ -16,14 +16,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import AutoConfig, AutoImageProcessor, AutoModel, CLIPVisionModel, SiglipVisionModel
+from transformers import (
+    AutoConfig,
+    AutoImageProcessor,
+    AutoModel,
+    AutoTokenizer,
+    CLIPVisionModel,
+    SiglipVisionModel,
+)
 from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 
 from mmpipe.graph import Capabilities, TensorSpec
@@ -31,6 +38,7 @@ from mmpipe.parallel.attention import select_backend
 from mmpipe.parallel.modules import SequenceState, use_sequence_parallel_attention
 from mmpipe.parallel.sequence import SequenceMesh, check_heads
 from mmpipe.stages._source import ModuleSource, SourcedStage
+from mmpipe.stages.text import tokenize
 
 
 class VisionEncoderStage(SourcedStage):
@@ -247,9 +255,72 @@ class ConnectorStage(SourcedStage):
         return {"context": TensorSpec(("B", self.seq_len, self.source.config.out_dim))}
 
     def forward(self, module: nn.Module, inputs: Mapping[str, Any], **options: Any) -> dict[str, Any]:
-        context_BSD = module(inputs["hidden"])
-        keep = inputs["mask"].bool().unsqueeze(-1)
-        return {"context": torch.where(keep, context_BSD, context_BSD.new_zeros(()))}
+        return {"context": masked_context(module(inputs["hidden"]), inputs["mask"])}
+
+
+def masked_context(context_BSD: torch.Tensor, mask_BS: torch.Tensor) -> torch.Tensor:
+    """``context`` with the padded positions zeroed (the DiT's cross-attention has no mask)."""
+    return torch.where(mask_BS.bool().unsqueeze(-1), context_BSD, context_BSD.new_zeros(()))
+
+
+class InstructionContextStage(SourcedStage):
+    """``image_tokens, input_ids, attention_mask[, negative_*] -> context[, negative_context]``: the
+    trained LLM and connector of an understand-then-generate run, frozen, for generation. The module
+    is ``{"llm": ImageTextLM, "connector": Connector}`` (the training stages' own modules, whose
+    weights a checkpoint's ``llm`` and ``connector`` hold); the negative context (classifier-free
+    guidance) reads the same image with the negative instruction, as training's dropped captions do.
+    """
+
+    kind = "instruction_context"
+
+    def __init__(self, name: str, source: ModuleSource, tokenizer: Any, *, text_len: int, num_image_tokens: int):
+        super().__init__(name, source, frozen=True)
+        self.tokenizer, self.text_len, self.num_image_tokens = tokenizer, text_len, num_image_tokens
+
+    @classmethod
+    def from_dir(cls, name: str, root: Path, *, vision_width: int, num_image_tokens: int, text_len: int) -> Self:
+        """Load lazily from an understand-then-generate pipeline directory's ``llm/``, ``connector/``
+        and ``tokenizer/``."""
+
+        def load() -> nn.Module:
+            return nn.ModuleDict(
+                {"llm": ImageTextLM.load(root / "llm", vision_width), "connector": Connector.load(root / "connector")}
+            )
+
+        source = ModuleSource(AutoConfig.from_pretrained(root / "llm" / "lm"), load)
+        tokenizer = AutoTokenizer.from_pretrained(root / "tokenizer")
+        return cls(name, source, tokenizer, text_len=text_len, num_image_tokens=num_image_tokens)
+
+    def tokenize(self, prompts: Sequence[str], max_length: int | None = None) -> dict[str, torch.Tensor]:
+        """The instructions' tokens, padded to the run's ``text_len`` as training pads them."""
+        return tokenize(self.tokenizer, prompts, max_length=max_length or self.text_len, clean=None)
+
+    @property
+    def inputs(self) -> Mapping[str, TensorSpec]:
+        ids = TensorSpec(("B", "L"), torch.int64)
+        optional_ids = TensorSpec(("B", "L"), torch.int64, required=False)
+        return {
+            "image_tokens": TensorSpec(("B", self.num_image_tokens, "V")),
+            "input_ids": ids,
+            "attention_mask": ids,
+            "negative_input_ids": optional_ids,
+            "negative_attention_mask": optional_ids,
+        }
+
+    @property
+    def outputs(self) -> Mapping[str, TensorSpec]:
+        context = TensorSpec(("B", "L", "D"))
+        return {"context": context, "negative_context": dataclasses.replace(context, required=False)}
+
+    def forward(self, module: nn.Module, inputs: Mapping[str, Any], **options: Any) -> dict[str, Any]:
+        def encode(ids_BL: torch.Tensor, mask_BL: torch.Tensor) -> torch.Tensor:
+            hidden_BSH, mask_BS = module["llm"](inputs["image_tokens"], ids_BL, mask_BL)
+            return masked_context(module["connector"](hidden_BSH), mask_BS)
+
+        out = {"context": encode(inputs["input_ids"], inputs["attention_mask"])}
+        if "negative_input_ids" in inputs:
+            out["negative_context"] = encode(inputs["negative_input_ids"], inputs["negative_attention_mask"])
+        return out
 
 
 # ---- CLIP image encoder (image-to-video) ------------------------------------------------------------

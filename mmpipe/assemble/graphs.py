@@ -16,7 +16,7 @@ import torch
 
 from mmpipe.config import DataConfig, ModelConfig, RunConfig
 from mmpipe.data import caption_vocabulary
-from mmpipe.data.datasets import build_datasets, vocabulary
+from mmpipe.data.datasets import build_datasets, shapes_task, vocabulary
 from mmpipe.graph import Graph
 from mmpipe.models import build_training_graph, save_tiny_pipeline
 from mmpipe.models.arch import build_arch_graph
@@ -72,7 +72,7 @@ def _tiny_graph(model: ModelConfig, data: DataConfig) -> Graph:
     tmp_dir = tempfile.TemporaryDirectory(prefix="mmpipe-plan-")
     _TEMP_DIRS.append(tmp_dir)  # the stages load lazily from it; removed when the process exits
     tmp = Path(tmp_dir.name)
-    save_tiny_pipeline(model, caption_vocabulary(), tmp / "pipeline", seed=0)
+    save_tiny_pipeline(model, caption_vocabulary(shapes_task(model.kind)), tmp / "pipeline", seed=0)
     return build_training_graph(model, tmp / "pipeline")
 
 
@@ -84,6 +84,6 @@ def staged_pipeline(cfg: RunConfig, run_dir: Path) -> Iterator[Path]:
     if cfg.model.path is not None or (existing / "model_index.json").is_file():
         yield existing
         return
-    train_set, _ = build_datasets(cfg.data)
+    train_set, _ = build_datasets(cfg.data, cfg.model.kind)
     with tempfile.TemporaryDirectory(prefix="mmpipe-pipeline-") as tmp:
         yield save_tiny_pipeline(cfg.model, vocabulary(train_set), Path(tmp) / "pipeline", seed=cfg.train.seed)

@@ -9,6 +9,8 @@ from mmpipe.data.shapes import (
     MovingShapesDataset,
     VideoSample,
     caption_vocabulary,
+    instruct_clip,
+    instruction,
 )
 from mmpipe.data.video_io import (
     count_frames,
@@ -31,6 +33,8 @@ __all__ = [
     "caption_vocabulary",
     "count_frames",
     "frames_to_uint8",
+    "instruct_clip",
+    "instruction",
     "read_video",
     "video_to_uint8",
     "write_gif",

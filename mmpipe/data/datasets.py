@@ -25,12 +25,20 @@ def input_keys(ports: Iterable[str], split: str, index: int, dropped: bool) -> d
     return {p: (split, index) if p in VIDEO_PORTS else caption for p in ports}
 
 
-def build_datasets(data: DataConfig) -> tuple[SizedDataset, SizedDataset]:
-    """(train, validation) datasets; moving shapes validation clips come from a different seed."""
+def shapes_task(kind: str) -> str:
+    """The moving-shapes task a model of ``model.kind`` trains on: an understand-then-generate model
+    sees the first frame and an instruction ("make it move left"), the others a description."""
+    return "instruct" if kind == "u2g" else "describe"
+
+
+def build_datasets(data: DataConfig, kind: str = "t2v") -> tuple[SizedDataset, SizedDataset]:
+    """(train, validation) datasets of a ``model.kind=kind`` run; moving shapes validation clips
+    come from a different seed."""
     size = {"frames": data.frames, "height": data.height, "width": data.width}
     if data.root is None:
-        train = MovingShapesDataset(num_samples=data.num_samples, seed=data.seed, **size)
-        val = MovingShapesDataset(num_samples=data.val_samples, seed=data.seed + 7919, **size)
+        task = shapes_task(kind)
+        train = MovingShapesDataset(num_samples=data.num_samples, seed=data.seed, task=task, **size)
+        val = MovingShapesDataset(num_samples=data.val_samples, seed=data.seed + 7919, task=task, **size)
         return train, val
     folder = FolderVideoDataset(root=data.root, captions_file=data.captions_file, **size)
     return folder, Subset(folder, range(min(data.val_samples, len(folder))))
@@ -40,4 +48,6 @@ def vocabulary(train_set: SizedDataset) -> list[str]:
     """Texts whose words the tiny preset's tokenizer must know: every caption of the data."""
     if isinstance(train_set, FolderVideoDataset):
         return [entry.caption for entry in train_set.entries]
+    if isinstance(train_set, MovingShapesDataset):
+        return caption_vocabulary(train_set.task)
     return caption_vocabulary()

@@ -4,6 +4,11 @@ Each sample is one filled shape of a named colour on a plain dark background,
 moving in a straight line at constant speed. The shape never leaves the frame
 (no wrapping, no bouncing), so the caption "a <colour> <shape> moving
 <direction>" is true for every frame of the clip.
+
+The ``instruct`` task (understand-then-generate: the model sees the clip's first
+frame and an instruction) captions a clip "make it move <direction>" and starts
+the shape in the middle of the frame, where its position does not depend on the
+direction: only the instruction says which way it goes, only the image what it is.
 """
 
 from __future__ import annotations
@@ -21,9 +26,12 @@ __all__ = [
     "COLOR_RGB",
     "DIRECTIONS",
     "SHAPES",
+    "TASKS",
     "MovingShapesDataset",
     "VideoSample",
     "caption_vocabulary",
+    "instruct_clip",
+    "instruction",
 ]
 
 COLOR_RGB: dict[str, tuple[float, float, float]] = {
@@ -41,6 +49,8 @@ SHAPES: tuple[str, ...] = ("circle", "square", "triangle")
 DIRECTIONS: tuple[str, ...] = ("left", "right", "up", "down")
 
 _CAPTION_WORDS: tuple[str, ...] = ("a", "moving")
+_INSTRUCTION_WORDS: tuple[str, ...] = ("make", "it", "move")
+TASKS: tuple[str, ...] = ("describe", "instruct")
 _BACKGROUND_MAX = 0.2  # every background channel is in [0, _BACKGROUND_MAX]
 _SIZE_RANGE = (1 / 4, 1 / 3)  # shape size as a fraction of min(height, width)
 _TRAVEL_RANGE = (0.5, 0.9)  # distance travelled as a fraction of the free room
@@ -60,9 +70,16 @@ class VideoSample(TypedDict):
     caption: str
 
 
-def caption_vocabulary() -> list[str]:
-    """Return every word that can appear in a caption, sorted and unique."""
+def caption_vocabulary(task: str = "describe") -> list[str]:
+    """Return every word that can appear in a caption of ``task``, sorted and unique."""
+    if task == "instruct":
+        return sorted({*_INSTRUCTION_WORDS, *DIRECTIONS})
     return sorted({*_CAPTION_WORDS, *COLORS, *SHAPES, *DIRECTIONS})
+
+
+def instruction(direction: str) -> str:
+    """The ``instruct`` task's caption: what the model is told to do with the shape it sees."""
+    return f"make it move {direction}"
 
 
 @dataclass(frozen=True)
@@ -77,8 +94,9 @@ class _ClipSpec:
     start_yx: tuple[float, float]
     step_yx: tuple[float, float]
 
-    @property
-    def caption(self) -> str:
+    def caption(self, task: str) -> str:
+        if task == "instruct":
+            return instruction(self.direction)
         return f"a {self.color} {self.shape} moving {self.direction}"
 
 
@@ -121,6 +139,64 @@ def _sample_spec(rng: np.random.Generator, frames: int, height: int, width: int)
     )
 
 
+def _sample_instruct_spec(
+    rng: np.random.Generator,
+    frames: int,
+    height: int,
+    width: int,
+    *,
+    color: str | None = None,
+    shape: str | None = None,
+    direction: str | None = None,
+) -> _ClipSpec:
+    """The ``instruct`` task's clip: as :func:`_sample_spec`, but the shape starts in the middle of
+    the frame, far enough from every edge to travel its distance in any direction, so its first
+    frame (the position included) is the same whichever way it then moves. ``color`` / ``shape`` /
+    ``direction`` replace the drawn ones (drawn anyway, so the rest of the clip stays the same)."""
+    drawn = _pick(rng, COLORS), _pick(rng, SHAPES), _pick(rng, DIRECTIONS)
+    color, shape, direction = color or drawn[0], shape or drawn[1], direction or drawn[2]
+    background = rng.uniform(0.0, _BACKGROUND_MAX, size=3)
+    size = max(1.0, float(rng.uniform(*_SIZE_RANGE)) * min(height, width))
+    half_room = (min(height, width) - size) / 2
+    travel = float(rng.uniform(*_TRAVEL_RANGE)) * half_room if frames > 1 else 0.0
+    margin = _TRAVEL_RANGE[1] * half_room  # the longest travel any clip of this size has
+    start = [
+        float(rng.uniform(size / 2 + margin, max(extent - size / 2 - margin, size / 2 + margin)))
+        for extent in (height, width)
+    ]
+    dy, dx = _DIRECTION_VECTORS[direction]
+    step = travel / max(frames - 1, 1)
+    return _ClipSpec(
+        color=color,
+        shape=shape,
+        direction=direction,
+        background_rgb=(float(background[0]), float(background[1]), float(background[2])),
+        size=size,
+        start_yx=(start[0], start[1]),
+        step_yx=(dy * step, dx * step),
+    )
+
+
+def _to_video(frames_THWC: np.ndarray) -> torch.Tensor:
+    """Rendered frames -> float32 (3, T, H, W) in [-1, 1]."""
+    return torch.from_numpy(frames_THWC).permute(3, 0, 1, 2).contiguous().mul_(2.0).sub_(1.0)
+
+
+def instruct_clip(
+    color: str, shape: str, direction: str, *, seed: int, frames: int, height: int, width: int
+) -> VideoSample:
+    """An ``instruct``-task clip of ``color`` ``shape`` moving ``direction``; everything else (size,
+    background, start, distance) drawn from ``seed``, the same for every direction, so the four
+    directions of one seed share their first frame."""
+    for value, options in ((color, COLORS), (shape, SHAPES), (direction, DIRECTIONS)):
+        if value not in options:
+            raise ValueError(f"{value!r} is not one of {options}")
+    spec = _sample_instruct_spec(
+        np.random.default_rng([seed]), frames, height, width, color=color, shape=shape, direction=direction
+    )
+    return VideoSample(video=_to_video(_render(spec, frames, height, width)), caption=spec.caption("instruct"))
+
+
 def _shape_mask(shape: str, dy_THW: np.ndarray, dx_THW: np.ndarray, size: float) -> np.ndarray:
     """Boolean mask of a shape of side/diameter ``size`` given offsets from its centre."""
     half = size / 2
@@ -154,11 +230,14 @@ class MovingShapesDataset(Dataset[VideoSample]):
     Generator seeded with ``[seed, i]``; global RNG state is never touched.
 
     Each item is ``{"video": float32 tensor (3, frames, height, width) in
-    [-1, 1], "caption": "a <colour> <shape> moving <direction>"}``.
+    [-1, 1], "caption": "a <colour> <shape> moving <direction>"}`` (``task="instruct"``:
+    "make it move <direction>", the shape starting mid-frame; see the module's docstring).
     """
 
-    def __init__(self, *, num_samples: int, frames: int, height: int, width: int, seed: int = 0):
-        """Validate sizes; ``seed`` must be a non-negative int."""
+    def __init__(
+        self, *, num_samples: int, frames: int, height: int, width: int, seed: int = 0, task: str = "describe"
+    ):
+        """Validate sizes; ``seed`` must be a non-negative int; ``task`` one of :data:`TASKS`."""
         self.num_samples = _check_positive_int("num_samples", num_samples)
         self.frames = _check_positive_int("frames", frames)
         self.height = _check_positive_int("height", height)
@@ -166,6 +245,9 @@ class MovingShapesDataset(Dataset[VideoSample]):
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"seed must be a non-negative int, got {seed!r}")
         self.seed = seed
+        if task not in TASKS:
+            raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+        self.task = task
 
     def __len__(self) -> int:
         """Number of samples."""
@@ -183,7 +265,8 @@ class MovingShapesDataset(Dataset[VideoSample]):
     def __getitem__(self, i: int) -> VideoSample:
         """Render sample ``i``."""
         rng = np.random.default_rng([self.seed, self._index(i)])
-        spec = _sample_spec(rng, self.frames, self.height, self.width)
-        frames_THWC = _render(spec, self.frames, self.height, self.width)
-        video_CTHW = torch.from_numpy(frames_THWC).permute(3, 0, 1, 2).contiguous()
-        return VideoSample(video=video_CTHW.mul_(2.0).sub_(1.0), caption=spec.caption)
+        sample = _sample_instruct_spec if self.task == "instruct" else _sample_spec
+        spec = sample(rng, self.frames, self.height, self.width)
+        return VideoSample(
+            video=_to_video(_render(spec, self.frames, self.height, self.width)), caption=spec.caption(self.task)
+        )

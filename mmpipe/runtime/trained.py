@@ -17,6 +17,7 @@ from mmpipe.kernels import registry as kernels
 from mmpipe.models import check_training_pipeline_dir
 from mmpipe.models.loading import from_diffusers
 from mmpipe.models.pipeline_graph import PipelineGraph
+from mmpipe.models.u2g import load_u2g_graph
 from mmpipe.models.wan import T2VGraph
 from mmpipe.rundir import latest_checkpoint, load_run_config, pipeline_dir
 from mmpipe.runtime.checkpoint import load_latest_weights
@@ -37,9 +38,22 @@ def load_trained_graph(run_dir: Path, device: DeviceType = DeviceType.CPU) -> T2
     """The run's inference graph on ``device`` (bf16 text encoder and DiT on CUDA, as
     :func:`~mmpipe.models.wan.place_graph` places them) with the DiT weights of its latest
     checkpoint and the run's ``model.kernels`` resolved for ``device``. A two-expert Wan 2.2 run
-    gives the family graph, its experts the weights of the stages ``dit`` and ``dit_2``."""
+    gives the family graph, its experts the weights of the stages ``dit`` and ``dit_2``; an
+    understand-then-generate run (``model.kind=u2g``) its :class:`~mmpipe.models.u2g.U2GGraph`, with
+    the trained ``llm``, ``connector`` and ``dit`` (on CPU)."""
     cfg = load_run_config(run_dir)
     choice = generation_kernels(cfg, device)  # an unavailable kernel is an error before any load
+    if cfg.model.kind == "u2g":
+        if device is not DeviceType.CPU:
+            raise ValueError(f"ckpt={str(run_dir)!r}: an understand-then-generate run generates on CPU only")
+        with loading_errors(f"ckpt={str(run_dir)!r}"):
+            u2g = load_u2g_graph(pipeline_dir(cfg.model, run_dir), text_len=cfg.model.text_len)
+            instruct: Any = u2g.text.module  # the training stages' own modules: the checkpoint's llm and connector
+            load_latest_weights(
+                run_dir, {"llm": instruct["llm"], "connector": instruct["connector"], "dit": u2g.denoise.module}
+            )
+        apply_kernels(u2g, choice)
+        return u2g
     with loading_errors(f"ckpt={str(run_dir)!r}"):
         graph: Any = from_diffusers(
             pipeline_dir(cfg.model, run_dir), max_sequence_length=cfg.model.text_len, device=device.value

@@ -7,13 +7,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 from transformers import AutoTokenizer
 
 from mmpipe.data.datasets import SizedDataset
 from mmpipe.graph import Graph
-from mmpipe.models.u2g import VISION_IMAGE_SIZE
+from mmpipe.models.u2g import vision_pixels
 from mmpipe.stages.text import tokenize
 
 
@@ -89,8 +88,7 @@ class Collator:
         video_B3THW = torch.stack([s["video"] for s in samples])
         out = {**tokens, "video": video_B3THW}
         if self.image:  # the first frame, at the vision tower's resolution
-            size = (VISION_IMAGE_SIZE, VISION_IMAGE_SIZE)
-            out["pixel_values"] = F.interpolate(video_B3THW[:, :, 0], size=size, mode="bilinear", antialias=True)
+            out["pixel_values"] = vision_pixels(video_B3THW[:, :, 0])
         return out
 
 

@@ -90,7 +90,7 @@ class TrainLoop:
         self.executor.optimizers = {s: self._optim(s) for s in self.executor.local if s in self.train_plan.trainable}
         for s in self.executor.optimizers:
             self.executor.modules[s].train()
-        self.train_set, val_set = build_datasets(cfg.data)
+        self.train_set, val_set = build_datasets(cfg.data, cfg.model.kind)
         self.collate = Collator(graph, pipeline_dir(cfg.model, self.run_dir), cfg.model.text_len)
         n_val = len(val_set) // self.micro_size * self.micro_size
         val_mbs = list(micro_batches(val_set, list(range(n_val)), n_val // self.micro_size, self.collate))
