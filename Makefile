@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.mmpipe-installed
 
-.PHONY: setup lock run test lint typecheck unit e2e clean
+.PHONY: setup lock run run-u2g test lint typecheck unit e2e clean
 
 # constraints.txt holds the versions of the last `make lock`, so a new release cannot turn a clean
 # checkout red; `make CONSTRAINTS= setup` resolves the newest versions pyproject.toml's ranges allow.
@@ -44,6 +44,17 @@ run: $(STAMP)
 	$(BIN)/mmpipe generate ckpt=$(RUN_DIR) prompt="a red circle moving left"
 	$(BIN)/mmpipe eval $(RUN_DIR)
 	$(BIN)/mmpipe report $(RUN_DIR)
+
+# Understand-then-generate, visible (issue 31): u2g_tiny sees a still and reads "make it move <dir>"
+ifndef U2G_DIR
+U2G_DIR := runs/u2g-$(shell date +%Y%m%d-%H%M%S)
+endif
+U2G_STEPS ?= 8000
+
+run-u2g: $(STAMP)
+	$(BIN)/mmpipe train model=u2g_tiny run_dir=$(U2G_DIR) launch.nproc=0 placement=auto train.steps=$(U2G_STEPS)
+	$(BIN)/mmpipe eval $(U2G_DIR)
+	$(BIN)/mmpipe report $(U2G_DIR)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -323,6 +323,11 @@ class Engine:
 
         if cfg.ckpt:
             check_trained_run(Path(cfg.ckpt))
+            if load_run_config(Path(cfg.ckpt)).model.kind == "u2g":
+                raise ValueError(
+                    f"ckpt={cfg.ckpt!r} is an understand-then-generate run (an image and an instruction in): "
+                    "serving takes text-to-video runs; render it with mmpipe generate image=FILE"
+                )
             return {"ckpt": cfg.ckpt}
         if cfg.pipeline:
             if self.family is not None:  # text_len unset: the pipeline's own default

@@ -19,6 +19,7 @@ from mmpipe.data import (
     MovingShapesDataset,
     caption_vocabulary,
     frames_to_uint8,
+    instruct_clip,
     read_video,
     video_to_uint8,
     write_gif,
@@ -28,8 +29,8 @@ from mmpipe.data import (
 # ---------------------------------------------------------------- shapes
 
 
-def _shapes(**overrides: int) -> MovingShapesDataset:
-    kwargs = {"num_samples": 48, "frames": 9, "height": 48, "width": 64, "seed": 3}
+def _shapes(**overrides: int | str) -> MovingShapesDataset:
+    kwargs: dict[str, int | str] = {"num_samples": 48, "frames": 9, "height": 48, "width": 64, "seed": 3}
     kwargs.update(overrides)
     return MovingShapesDataset(**kwargs)
 
@@ -124,6 +125,51 @@ def test_caption_vocabulary_covers_captions() -> None:
     words = {word for i in range(len(ds)) for word in str(ds[i]["caption"]).split()}
     assert words <= set(vocab)
     assert {"a", "moving", *COLORS, *SHAPES, *DIRECTIONS} == set(vocab)
+
+
+def test_instruct_task_starts_mid_frame_whatever_the_direction() -> None:
+    """The understand-then-generate task: the caption is only the instruction, the shape moves the
+    way it says, and the first frame's position does not give the direction away (the describe
+    task's clips start near the edge they move away from, and fail the band below)."""
+    ds = _shapes(num_samples=96, task="instruct")  # 48 x 64 frames
+    directions = set()
+    for i in range(len(ds)):
+        item = ds[i]
+        make, it, move, direction = str(item["caption"]).split(" ")
+        assert (make, it, move) == ("make", "it", "move") and direction in DIRECTIONS
+        directions.add(direction)
+        mask_THW = _foreground_THW(item["video"])
+        (y0, x0), (y1, x1) = _centroid_yx(mask_THW[0]), _centroid_yx(mask_THW[-1])
+        along = {"left": x0 - x1, "right": x1 - x0, "up": y0 - y1, "down": y1 - y0}[direction]
+        assert along >= 6.0, (i, direction, y0, x0, y1, x1)
+        # starts within 1.8 px (y) / 9.8 px (x) of the centre; a triangle's centroid sits below its centre
+        assert abs(y0 - 24) <= 5.0 and abs(x0 - 32) <= 10.5, (i, direction, y0, x0)
+    assert directions == set(DIRECTIONS)
+    describe = _shapes(num_samples=96)
+    outside = [i for i in range(96) if abs(_centroid_yx(_foreground_THW(describe[i]["video"])[0])[1] - 32) > 10.5]
+    assert len(outside) > 20  # the band is a real constraint
+
+
+def test_instruct_clip_shares_its_still_across_directions_and_tracks() -> None:
+    """The eval's stills: one per colour and shape and seed, whatever the direction; and each of the
+    96 grid clips scores as what it is (the eval's ground truth is trackable)."""
+    from mmpipe.data.tracker import track
+
+    size = {"frames": 17, "height": 64, "width": 64}
+    for seed, (color, shape) in enumerate((c, s) for c in COLORS for s in SHAPES):
+        clips = [instruct_clip(color, shape, d, seed=seed, **size) for d in DIRECTIONS]
+        assert all(torch.equal(c["video"][:, 0], clips[0]["video"][:, 0]) for c in clips)
+        assert not torch.equal(clips[0]["video"][:, -1], clips[1]["video"][:, -1])
+        for direction, clip in zip(DIRECTIONS, clips, strict=True):
+            assert clip["caption"] == f"make it move {direction}"
+            frames = frames_to_uint8(clip["video"].permute(1, 2, 3, 0).add(1).div(2).numpy())
+            verdict = track(frames)
+            assert all(verdict.matches(color, shape, direction).values()), (color, shape, direction, verdict)
+    with pytest.raises(ValueError, match="'orange'"):
+        instruct_clip("orange", "circle", "left", seed=0, **size)
+    with pytest.raises(ValueError, match="task must be one of"):
+        _shapes(task="explain")  # type: ignore[arg-type]
+    assert caption_vocabulary("instruct") == sorted({"make", "it", "move", *DIRECTIONS})
 
 
 @pytest.mark.parametrize("name,value", [("num_samples", 0), ("frames", -1), ("height", 0), ("width", 2.5)])
