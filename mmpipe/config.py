@@ -8,6 +8,7 @@ dotted key in the message. Library code only ever sees the dataclasses.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Sequence
@@ -150,6 +151,9 @@ class TrainConfig:
     batch_size: int = 8  # global batch: samples per optimizer step
     micro_batches: int = 2
     lr: float = 3e-3
+    # trainable stage -> factor on lr, e.g. {llm: 0.1}: a randomly initialised LLM trained at the DiT's
+    # rate collapses the instructions' states before the DiT learns to read them (RESULTS, issue 31)
+    lr_scale: dict[str, float] | None = None
     warmup_steps: int = 20
     # after the warm-up: constant, or a cosine decay to 0 at train.steps (torchtitan's and diffusers'
     # training scripts' usual choice; a short run ends with the small steps that settle it)
@@ -192,6 +196,9 @@ class TrainConfig:
             raise ValueError(f"train.cache_frozen_gb={self.cache_frozen_gb!r}: expected >= 0 (0 turns the cache off)")
         if self.lr_schedule not in ("constant", "cosine"):
             raise ValueError(f"train.lr_schedule={self.lr_schedule!r}: expected constant or cosine")
+        for stage, factor in (self.lr_scale or {}).items():
+            if not 0.0 < factor < math.inf:
+                raise ValueError(f"train.lr_scale.{stage}={factor!r}: expected a positive factor")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -627,6 +634,8 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
         item: Any = args[1] if args else None
         if isinstance(item, type) and dataclasses.is_dataclass(item):
             return {k: from_dict(item, v, f"{key}.{k}.") for k, v in value.items()}
+        if item in (int, float, str, bool):
+            return {k: _coerce(item, v, f"{key}.{k}") for k, v in value.items()}
         return value
     if origin is list:
         if not isinstance(value, list | tuple):

@@ -102,7 +102,7 @@ class TrainLoop:
     def _optim(self, stage: str) -> StageOptim:
         tc = self.cfg.train
         params = [p for p in self.executor.modules[stage].parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay)
+        opt = torch.optim.AdamW(params, lr=tc.lr * (tc.lr_scale or {}).get(stage, 1.0), weight_decay=tc.weight_decay)
         sched = torch.optim.lr_scheduler.LambdaLR(
             opt, lambda s: lr_factor(s, warmup=tc.warmup_steps, steps=tc.steps, schedule=tc.lr_schedule)
         )

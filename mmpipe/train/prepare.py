@@ -42,6 +42,7 @@ def prepare_run(cfg: RunConfig) -> tuple[Path, Graph, RunConfig]:
     with staged_pipeline(cfg, run_dir) as staged:
         with loading_errors(f"model.path={cfg.model.path!r}") if cfg.model.path else contextlib.nullcontext():
             graph = build_training_graph(cfg.model, staged)
+        check_lr_scale(graph, cfg)
         if cfg.placement == "auto":
             cfg = resolve_auto(graph, cfg)
         train_plan, val_plan = make_plans(graph, cfg)  # the checks that need the model's config
@@ -53,6 +54,14 @@ def prepare_run(cfg: RunConfig) -> tuple[Path, Graph, RunConfig]:
         if staged != pipe_dir:  # the tiny preset, built in a temporary folder: now the run's
             shutil.move(staged, pipe_dir)
     return run_dir, build_training_graph(cfg.model, pipe_dir), cfg
+
+
+def check_lr_scale(graph: Graph, cfg: RunConfig) -> None:
+    """``train.lr_scale`` may name the graph's trainable stages only (a frozen one has no optimizer)."""
+    trainable = [s.name for s in graph.trainable_stages()]
+    for stage in cfg.train.lr_scale or {}:
+        if stage not in trainable:
+            raise ValueError(f"train.lr_scale.{stage}: no trainable stage {stage!r}; trainable stages: {trainable}")
 
 
 def resolve_auto(graph: Graph, cfg: RunConfig) -> RunConfig:

@@ -14,6 +14,7 @@ import pytest
 from PIL import Image
 
 from mmpipe.data import read_video
+from mmpipe.rundir import read_metrics
 from mmpipe.runtime.events import read_events
 
 SMALL = [
@@ -112,9 +113,19 @@ def test_u2g_run_generates_from_a_still_and_an_instruction(tmp_path: Path) -> No
 
     run = tmp_path / "u2g"
     res = mmpipe(
-        "train", "model=u2g_tiny", f"run_dir={run}", "train.steps=2", "train.ckpt_every=2", *SMALL, cwd=tmp_path
+        "train",
+        "model=u2g_tiny",
+        f"run_dir={run}",
+        "train.steps=2",
+        "train.ckpt_every=2",
+        "train.log_every=1",
+        "train.lr_scale={llm:0.1}",
+        *SMALL,
+        cwd=tmp_path,
     )
     assert res.returncode == 0, res.stderr
+    last = read_metrics(run)[-1]  # train.lr_scale: the LLM's optimizer at a tenth of the others' rate
+    assert last["lr/llm"] == pytest.approx(0.1 * last["lr/dit"]) and last["lr/connector"] == last["lr/dit"] > 0
     res = mmpipe("eval", str(run), "--clips", "8", "--batch", "4", "--steps", "2", cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     saved = json.loads((run / "eval" / "eval.json").read_text())
@@ -144,8 +155,9 @@ def test_u2g_run_generates_from_a_still_and_an_instruction(tmp_path: Path) -> No
         trained = dict(instruct[name].named_parameters())
         changed = [k for k, p in module.named_parameters() if not torch.equal(p, trained[k])]
         assert changed, f"{name}: the generation graph has the pipeline's initial weights"
-    dit_initial = type(graph.denoise.module).from_pretrained(run / "pipeline" / "transformer")
-    assert any(not torch.equal(p, q) for p, q in zip(dit_initial.parameters(), graph.denoise.module.parameters()))
+    dit = graph.denoise.module
+    dit_initial = type(dit).from_pretrained(run / "pipeline" / "transformer")
+    assert any(not torch.equal(p, q) for p, q in zip(dit_initial.parameters(), dit.parameters(), strict=True))
 
 
 def test_qwen_text_encoder_preset_trains(tmp_path: Path) -> None:
@@ -168,6 +180,10 @@ def test_qwen_text_encoder_preset_trains(tmp_path: Path) -> None:
         # checks that need the model's config (head and block counts) run before the run directory exists
         (["train", "launch.nproc=4", "parallel.dit.ulysses=3"], "ulysses=3"),
         (["train", "memory.dit.blocks=[keep]"], "memory.dit.blocks names 1 policies"),
+        (
+            ["train", "train.lr_scale={llm:0.1}"],
+            "train.lr_scale.llm: no trainable stage 'llm'; trainable stages: ['dit']",
+        ),
         (
             [
                 "train",

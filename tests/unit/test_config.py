@@ -29,6 +29,8 @@ def test_overrides_and_presets() -> None:
     assert cfg.model.text_encoder == "qwen2" and cfg.model.name == "t2v_tiny_qwen"
     assert cfg.train.steps == 50 and cfg.data.frames == 9
     assert cfg.model.text_dim == ModelConfig().text_dim  # inherited from the t2v_tiny preset
+    raw = compose_config("train", ["model=u2g_tiny", "train.lr_scale={llm:0.1,connector:2}"])
+    assert from_dict(RunConfig, raw).train.lr_scale == {"llm": 0.1, "connector": 2.0}
 
 
 @pytest.mark.parametrize(
@@ -56,6 +58,9 @@ def test_overrides_and_presets() -> None:
         ({"launch": {"nproc": -1}}, "launch.nproc=-1: expected 0 (one rank per GPU or core) or a positive int"),
         ({"placement": [0, 1]}, "placement=[0, 1]: expected a mapping"),
         ({"data": {"val_samples": 4}}, "data.val_samples=4 must be >= train.batch_size=8"),
+        ({"train": {"lr_scale": {"llm": "slow"}}}, "train.lr_scale.llm='slow': expected float"),
+        ({"train": {"lr_scale": {"llm": 0}}}, "train.lr_scale.llm=0.0: expected a positive factor"),
+        ({"train": {"lr_scale": [0.1]}}, "train.lr_scale=[0.1]: expected a mapping"),
     ],
 )
 def test_bad_values_are_named(raw: dict, message: str) -> None:
