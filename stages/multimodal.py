@@ -18,7 +18,7 @@ import dataclasses
 import json
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Self, cast
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -313,9 +313,11 @@ class InstructionContextStage(SourcedStage):
         return {"context": context, "negative_context": dataclasses.replace(context, required=False)}
 
     def forward(self, module: nn.Module, inputs: Mapping[str, Any], **options: Any) -> dict[str, Any]:
+        parts = cast(nn.ModuleDict, module)
+
         def encode(ids_BL: torch.Tensor, mask_BL: torch.Tensor) -> torch.Tensor:
-            hidden_BSH, mask_BS = module["llm"](inputs["image_tokens"], ids_BL, mask_BL)
-            return masked_context(module["connector"](hidden_BSH), mask_BS)
+            hidden_BSH, mask_BS = parts["llm"](inputs["image_tokens"], ids_BL, mask_BL)
+            return masked_context(parts["connector"](hidden_BSH), mask_BS)
 
         out = {"context": encode(inputs["input_ids"], inputs["attention_mask"])}
         if "negative_input_ids" in inputs:

@@ -141,7 +141,7 @@ class U2GGraph(T2VGraph):
         decode: WanVAEDecodeStage,
     ) -> None:
         Graph.__init__(self, "u2g_inference")
-        self.vision, self.text, self.denoise, self.decode = vision, instruct, denoise, decode
+        self.vision, self.instruct, self.denoise, self.decode = vision, instruct, denoise, decode
         vae_cfg = decode.source.config
         self.scale_t, self.scale_s = int(vae_cfg.scale_factor_temporal), int(vae_cfg.scale_factor_spatial)
         self.video_processor = VideoProcessor(vae_scale_factor=self.scale_s)
@@ -165,6 +165,10 @@ class U2GGraph(T2VGraph):
         self.connect("instruct.negative_context", "denoise.negative_context")
         self.connect("denoise.latents", "decode.latents")
         self.validate()
+
+    def tokenize(self, prompts: Sequence[str], max_sequence_length: int | None) -> dict[str, Any]:
+        """The instructions' tokens, for the LLM (padded to the run's ``text_len``)."""
+        return self.instruct.tokenize(prompts, max_sequence_length)
 
     def generate(  # type: ignore[override]  # an image and an instruction, not WanPipeline's call
         self,

@@ -444,6 +444,10 @@ class T2VGraph(Graph):
             logger.warning("height/width must be multiples of (%d, %d); using (%d, %d)", mh, mw, fh, fw)
         return fh, fw, num_frames
 
+    def tokenize(self, prompts: Sequence[str], max_sequence_length: int | None) -> dict[str, Any]:
+        """The tokens of ``prompts`` for the stage that reads them (the text encoder's tokenizer)."""
+        return self.text.tokenize(prompts, max_sequence_length)
+
     def prompt_inputs(
         self,
         prompts: Sequence[str],
@@ -455,13 +459,13 @@ class T2VGraph(Graph):
         """The text stage's inputs: the prompts' tokens, and the negative prompts' (``""`` by
         default) when guidance is on (see :func:`~mmpipe.stages.sampler.guidance_on`), padded to
         ``max_sequence_length`` (the stage's ``max_length`` by default)."""
-        inputs: dict[str, Any] = self.text.tokenize(prompts, max_sequence_length)
+        inputs: dict[str, Any] = self.tokenize(prompts, max_sequence_length)
         if guidance_on(guidance_scale):
             neg = negative_prompt or ""
             negs = [neg] * len(prompts) if isinstance(neg, str) else list(neg)
             if len(negs) != len(prompts):
                 raise ValueError(f"negative_prompt has {len(negs)} entries but prompt has {len(prompts)}")
-            neg_tok = self.text.tokenize(negs, max_sequence_length)
+            neg_tok = self.tokenize(negs, max_sequence_length)
             inputs |= {"negative_input_ids": neg_tok["input_ids"], "negative_attention_mask": neg_tok["attention_mask"]}
         return inputs
 

@@ -48,7 +48,7 @@ def load_trained_graph(run_dir: Path, device: DeviceType = DeviceType.CPU) -> T2
             raise ValueError(f"ckpt={str(run_dir)!r}: an understand-then-generate run generates on CPU only")
         with loading_errors(f"ckpt={str(run_dir)!r}"):
             u2g = load_u2g_graph(pipeline_dir(cfg.model, run_dir), text_len=cfg.model.text_len)
-            instruct: Any = u2g.text.module  # the training stages' own modules: the checkpoint's llm and connector
+            instruct: Any = u2g.instruct.module  # the training stages' own modules: the checkpoint's llm and connector
             load_latest_weights(
                 run_dir, {"llm": instruct["llm"], "connector": instruct["connector"], "dit": u2g.denoise.module}
             )

@@ -146,7 +146,7 @@ def test_u2g_run_generates_from_a_still_and_an_instruction(tmp_path: Path) -> No
     assert res.returncode == 2 and "serving takes text-to-video runs" in res.stderr, res.stderr
 
     graph = load_trained_graph(run)
-    instruct = graph.text.module
+    instruct = graph.instruct.module
     initial = {
         "llm": ImageTextLM.load(run / "pipeline" / "llm", graph.vision.source.config.hidden_size),
         "connector": Connector.load(run / "pipeline" / "connector"),
