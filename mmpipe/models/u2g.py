@@ -140,6 +140,7 @@ class U2GGraph(T2VGraph):
         denoise: DenoiseStage,
         decode: WanVAEDecodeStage,
     ) -> None:
+        # not T2VGraph.__init__: the stages and wiring differ; its size, noise and decode helpers are shared
         Graph.__init__(self, "u2g_inference")
         self.vision, self.instruct, self.denoise, self.decode = vision, instruct, denoise, decode
         vae_cfg = decode.source.config
