@@ -38,7 +38,7 @@ from mmpipe.parallel.attention import select_backend
 from mmpipe.parallel.modules import SequenceState, use_sequence_parallel_attention
 from mmpipe.parallel.sequence import SequenceMesh, check_heads
 from mmpipe.stages._source import ModuleSource, SourcedStage
-from mmpipe.stages.text import tokenize
+from mmpipe.stages.text import context_specs, prompt_specs, tokenize
 
 
 class VisionEncoderStage(SourcedStage):
@@ -297,20 +297,11 @@ class InstructionContextStage(SourcedStage):
 
     @property
     def inputs(self) -> Mapping[str, TensorSpec]:
-        ids = TensorSpec(("B", "L"), torch.int64)
-        optional_ids = TensorSpec(("B", "L"), torch.int64, required=False)
-        return {
-            "image_tokens": TensorSpec(("B", self.num_image_tokens, "V")),
-            "input_ids": ids,
-            "attention_mask": ids,
-            "negative_input_ids": optional_ids,
-            "negative_attention_mask": optional_ids,
-        }
+        return {"image_tokens": TensorSpec(("B", self.num_image_tokens, "V"))} | prompt_specs()
 
     @property
     def outputs(self) -> Mapping[str, TensorSpec]:
-        context = TensorSpec(("B", "L", "D"))
-        return {"context": context, "negative_context": dataclasses.replace(context, required=False)}
+        return context_specs("D")
 
     def forward(self, module: nn.Module, inputs: Mapping[str, Any], **options: Any) -> dict[str, Any]:
         parts = cast(nn.ModuleDict, module)

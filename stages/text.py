@@ -36,6 +36,25 @@ from mmpipe.graph import TensorSpec
 from mmpipe.stages._source import ModuleSource, SourcedStage
 
 
+def prompt_specs() -> dict[str, TensorSpec]:
+    """The token ports of a stage (or graph) that reads prompts for classifier-free guidance: the
+    prompts' ids and mask and the negative prompts' (optional); "L" the padded length."""
+    ids = TensorSpec(("B", "L"), torch.int64)
+    optional_ids = TensorSpec(("B", "L"), torch.int64, required=False)
+    return {
+        "input_ids": ids,
+        "attention_mask": ids,
+        "negative_input_ids": optional_ids,
+        "negative_attention_mask": optional_ids,
+    }
+
+
+def context_specs(width: int | str) -> dict[str, TensorSpec]:
+    """``context`` and the optional ``negative_context`` (``(B, L, width)``) such a stage outputs."""
+    context = TensorSpec(("B", "L", width))
+    return {"context": context, "negative_context": dataclasses.replace(context, required=False)}
+
+
 def tokenize(
     tokenizer: PreTrainedTokenizerBase,
     prompts: Sequence[str],
@@ -85,19 +104,11 @@ class TextEncoderStage(SourcedStage):
     @property
     def inputs(self) -> Mapping[str, TensorSpec]:
         # "L": ``max_length`` by default; a call may pad to its own (``max_sequence_length``)
-        ids = TensorSpec(("B", "L"), torch.int64)
-        optional_ids = TensorSpec(("B", "L"), torch.int64, required=False)
-        return {
-            "input_ids": ids,
-            "attention_mask": ids,
-            "negative_input_ids": optional_ids,
-            "negative_attention_mask": optional_ids,
-        }
+        return prompt_specs()
 
     @property
     def outputs(self) -> Mapping[str, TensorSpec]:
-        context = TensorSpec(("B", "L", self.hidden_size))
-        return {"context": context, "negative_context": dataclasses.replace(context, required=False)}
+        return context_specs(self.hidden_size)
 
     def tokenize(self, prompts: Sequence[str], max_length: int | None = None) -> dict[str, torch.Tensor]:
         """Pad / truncate prompts to ``max_length`` tokens (the stage's by default), as the

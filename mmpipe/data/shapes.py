@@ -127,6 +127,22 @@ def _sample_spec(rng: np.random.Generator, frames: int, height: int, width: int)
         span = high - low - (travel if d else 0.0)
         offset = float(rng.uniform(0.0, max(span, 0.0)))
         start.append(low + offset + (travel if d < 0 else 0.0))
+    return _moving(color, shape, direction, background, size, start, travel, frames)
+
+
+def _moving(
+    color: str,
+    shape: str,
+    direction: str,
+    background: np.ndarray,
+    size: float,
+    start: list[float],
+    travel: float,
+    frames: int,
+) -> _ClipSpec:
+    """The clip of a shape starting at ``start`` (y, x) and covering ``travel`` pixels towards
+    ``direction`` at constant speed over ``frames`` frames."""
+    dy, dx = _DIRECTION_VECTORS[direction]
     step = travel / max(frames - 1, 1)
     return _ClipSpec(
         color=color,
@@ -164,17 +180,7 @@ def _sample_instruct_spec(
         float(rng.uniform(size / 2 + margin, max(extent - size / 2 - margin, size / 2 + margin)))
         for extent in (height, width)
     ]
-    dy, dx = _DIRECTION_VECTORS[direction]
-    step = travel / max(frames - 1, 1)
-    return _ClipSpec(
-        color=color,
-        shape=shape,
-        direction=direction,
-        background_rgb=(float(background[0]), float(background[1]), float(background[2])),
-        size=size,
-        start_yx=(start[0], start[1]),
-        step_yx=(dy * step, dx * step),
-    )
+    return _moving(color, shape, direction, background, size, start, travel, frames)
 
 
 def _to_video(frames_THWC: np.ndarray) -> torch.Tensor:

@@ -15,7 +15,6 @@ import PIL.Image
 import torch
 import torch.nn.functional as F
 from diffusers import UniPCMultistepScheduler
-from diffusers.video_processor import VideoProcessor
 from transformers import SiglipVisionConfig, SiglipVisionModel
 
 from mmpipe.config import ModelConfig
@@ -140,32 +139,16 @@ class U2GGraph(T2VGraph):
         denoise: DenoiseStage,
         decode: WanVAEDecodeStage,
     ) -> None:
-        # not T2VGraph.__init__: the stages and wiring differ; its size, noise and decode helpers are shared
+        # T2VGraph's wiring after its own prompt-reading stage: the vision tower feeds the LLM first
         Graph.__init__(self, "u2g_inference")
-        self.vision, self.instruct, self.denoise, self.decode = vision, instruct, denoise, decode
-        vae_cfg = decode.source.config
-        self.scale_t, self.scale_s = int(vae_cfg.scale_factor_temporal), int(vae_cfg.scale_factor_spatial)
-        self.video_processor = VideoProcessor(vae_scale_factor=self.scale_s)
-        ids = TensorSpec(("B", "L"), torch.int64)
-        opt_ids = TensorSpec(("B", "L"), torch.int64, required=False)
+        self.vision, self.instruct = vision, instruct
         size = vision.image_size
         self.add_input("pixel_values", TensorSpec(("B", 3, size, size), torch.float32))
-        for port, spec in [("input_ids", ids), ("attention_mask", ids)]:
-            self.add_input(port, spec)
-        for port in ("negative_input_ids", "negative_attention_mask"):
-            self.add_input(port, opt_ids)
-        self.add_input("noise", TensorSpec(("B", denoise.source.config.in_channels, "t", "h", "w"), torch.float32))
-        for stage in (vision, instruct, denoise, decode):
+        for stage in (vision, instruct):
             self.add_stage(stage)
         self.connect("input.pixel_values", "vision.pixel_values")
         self.connect("vision.image_tokens", "instruct.image_tokens")
-        for port in ("input_ids", "attention_mask", "negative_input_ids", "negative_attention_mask"):
-            self.connect(f"input.{port}", f"instruct.{port}")
-        self.connect("input.noise", "denoise.latents")
-        self.connect("instruct.context", "denoise.context")
-        self.connect("instruct.negative_context", "denoise.negative_context")
-        self.connect("denoise.latents", "decode.latents")
-        self.validate()
+        self._denoise_and_decode(denoise, decode, prompts_to=instruct.name)
 
     def tokenize(self, prompts: Sequence[str], max_sequence_length: int | None) -> dict[str, Any]:
         """The instructions' tokens, for the LLM (padded to the run's ``text_len``)."""

@@ -72,6 +72,7 @@ from mmpipe.stages import (
 )
 from mmpipe.stages.dit import wan_sequence_hooks
 from mmpipe.stages.sampler import guidance_on
+from mmpipe.stages.text import prompt_specs
 
 logger = logging.getLogger(__name__)
 
@@ -404,26 +405,28 @@ class T2VGraph(Graph):
 
     def __init__(self, text: TextEncoderStage, denoise: DenoiseStage, decode: WanVAEDecodeStage) -> None:
         super().__init__("t2v_inference")
-        self.text, self.denoise, self.decode = text, denoise, decode
+        self.text = text
+        self.add_stage(text)
+        self._denoise_and_decode(denoise, decode, prompts_to=text.name)
+
+    def _denoise_and_decode(self, denoise: DenoiseStage, decode: WanVAEDecodeStage, *, prompts_to: str) -> None:
+        """The graph inputs the prompts' tokens (to stage ``prompts_to``, which outputs the
+        contexts) and the noise, the denoiser and the decoder, wired; then validated."""
+        self.denoise, self.decode = denoise, decode
         vae_cfg = decode.source.config
-        self.scale_t: int = vae_cfg.scale_factor_temporal
-        self.scale_s: int = vae_cfg.scale_factor_spatial
+        self.scale_t: int = int(vae_cfg.scale_factor_temporal)
+        self.scale_s: int = int(vae_cfg.scale_factor_spatial)
         self.video_processor = VideoProcessor(vae_scale_factor=self.scale_s)
-        ids = TensorSpec(("B", "L"), torch.int64)
-        opt_ids = TensorSpec(("B", "L"), torch.int64, required=False)
-        z = denoise.source.config.in_channels
-        for port, spec in [("input_ids", ids), ("attention_mask", ids)]:
+        for port, spec in prompt_specs().items():
             self.add_input(port, spec)
-        for port in ("negative_input_ids", "negative_attention_mask"):
-            self.add_input(port, opt_ids)
+            self.connect(f"input.{port}", f"{prompts_to}.{port}")
+        z = denoise.source.config.in_channels
         self.add_input("noise", TensorSpec(("B", z, "t", "h", "w"), torch.float32))
-        for stage in (text, denoise, decode):
+        for stage in (denoise, decode):
             self.add_stage(stage)
-        for port in ("input_ids", "attention_mask", "negative_input_ids", "negative_attention_mask"):
-            self.connect(f"input.{port}", f"text.{port}")
         self.connect("input.noise", "denoise.latents")
-        self.connect("text.context", "denoise.context")
-        self.connect("text.negative_context", "denoise.negative_context")
+        self.connect(f"{prompts_to}.context", "denoise.context")
+        self.connect(f"{prompts_to}.negative_context", "denoise.negative_context")
         self.connect("denoise.latents", "decode.latents")
         self.validate()
 
