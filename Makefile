@@ -69,8 +69,13 @@ typecheck: $(STAMP)
 	$(BIN)/pip install -q --no-deps --no-build-isolation --target build/typecheck .
 	cd build/typecheck && ../../$(BIN)/mypy --config-file ../../pyproject.toml -p mmpipe
 
+# Two pytest workers (pytest-xdist; each takes its share of the cores, tests/conftest.py), then the
+# tests that compare measured times, alone: another worker's load would skew what they measure.
+PYTEST_WORKERS ?= 2
+
 test: lint typecheck
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) -m "not serial" tests
+	$(BIN)/python -m pytest -q -m serial tests
 
 clean:
 	rm -rf build runs .pytest_cache .mypy_cache .ruff_cache

@@ -13,12 +13,22 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # Kernel outputs start NaN-filled in every test, compiled ones too (off in users' runs, where the
 # fill would cost a full write of each output): an element a kernel fails to write fails the test.
 os.environ.setdefault("MMPIPE_KERNEL_POISON", "1")
+# `pytest -n N` (pytest-xdist, the README's test command): the N workers share the machine's cores, so
+# each one's torch, and every process a test starts (OMP_NUM_THREADS), takes its share of them; N
+# workers with all cores each would oversubscribe the machine and spin in OpenMP barriers.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 import pytest
 
 from mmpipe.config import ModelConfig
 from mmpipe.data import caption_vocabulary
 from mmpipe.models.wan import save_tiny_wan_pipeline
+
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:  # this worker's share of the cores (see above)
+    import torch
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 def _process_state() -> dict[str, object]:

@@ -18,6 +18,7 @@ from mmpipe.train import train
 STEPS = 8
 
 
+@pytest.mark.serial  # a measured step time: alone, not beside another test's load
 @pytest.mark.parametrize(
     ("nproc", "placement"),
     [(1, None), (2, {"text": [1], "vae": [0], "dit": [1]}), (3, {"text": [0], "vae": [1], "dit": [2]})],
