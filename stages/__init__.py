@@ -10,6 +10,7 @@ from mmpipe.stages.dit import (
     LTXDiTFlowMatchingStage,
     WanDiTFlowMatchingStage,
     WanI2VDiTFlowMatchingStage,
+    WanTI2VDiTFlowMatchingStage,
 )
 from mmpipe.stages.multimodal import CLIPImageEncoderStage
 from mmpipe.stages.sampler import DenoiseStage
@@ -47,6 +48,7 @@ __all__ = [
     "TextEncoderStage",
     "WanDiTFlowMatchingStage",
     "WanI2VDiTFlowMatchingStage",
+    "WanTI2VDiTFlowMatchingStage",
     "WanI2VVAEEncodeStage",
     "WanVAEDecodeStage",
     "WanVAEEncodeStage",

@@ -9,9 +9,11 @@ reproduce an uninterrupted single-process run bit for bit. A stage may train on 
 noise range only (``sigma_range``): each expert of Wan 2.2's two-expert DiT trains on the timesteps
 the sampler gives it (the high-noise expert from ``boundary_ratio`` up, the low-noise one below).
 
-Wan 2.1 image-to-video's DiT (:class:`WanI2VDiTFlowMatchingStage`) trains with the same objective
-on the latents, the first frame's condition concatenated on the channel axis and CLIP's image
-embeddings beside the text, as ``WanImageToVideoPipeline`` calls it.
+Wan image-to-video's DiTs (:class:`WanI2VDiTFlowMatchingStage`: Wan 2.1 I2V, each expert of Wan 2.2
+I2V) train with the same objective on the latents, the first frame's condition concatenated on the
+channel axis and (Wan 2.1) CLIP's image embeddings beside the text, as ``WanImageToVideoPipeline``
+calls them. Wan 2.2 TI2V's (:class:`WanTI2VDiTFlowMatchingStage`) keeps the clip's first latent
+frame clean at timestep 0 and learns the others.
 
 HunyuanVideo's DiT (``HunyuanVideoTransformer3DModel``) trains with the same objective and the same
 draw; it additionally takes a text mask and a pooled text vector: the real ones (CLIP's pooled
@@ -175,15 +177,7 @@ class FlowMatchingDiTStage(SourcedStage):
         **_: Any,
     ) -> dict[str, Any]:
         x0_BZthw, context_BLD = inputs["latents"], inputs["context"]
-        frames = None
-        if shards is not None and "latents" in shards:
-            region = shards["latents"]
-            if len(region.ranges) != 1:
-                raise ValueError(
-                    f"stage {self.name!r}: {region.length} latent frames cannot be split over "
-                    "its sequence-parallel ranks (every rank needs at least one frame)"
-                )
-            frames = (*region.ranges[0], region.length)
+        frames = self.shard_frames(shards)
         noise_BZthw, sigma_B = sample_flow_matching(
             x0_BZthw, seed=seed, shift=self.flow_shift(x0_BZthw), rows=rows, frames=frames, sigma_range=self.sigma_range
         )
@@ -193,15 +187,32 @@ class FlowMatchingDiTStage(SourcedStage):
         if frames is None:
             pred_BZthw = self.predict(module, xs_BZthw, timestep_B, context_BLD, inputs)
             return {"loss": F.mse_loss(pred_BZthw.float(), (noise_BZthw - x0_BZthw).float())}
-        cfg = self.source.config
-        p_h, p_w = cfg.patch_size[1:] if isinstance(cfg.patch_size, list | tuple) else (cfg.patch_size,) * 2
-        per_frame = (x0_BZthw.shape[3] // p_h) * (x0_BZthw.shape[4] // p_w)
+        per_frame = self.tokens_per_frame(x0_BZthw)
         assert self._sequence is not None, "shards are only passed to a stage made sequence parallel"
         with self._sequence.tokens(frames[2] * per_frame, unit=per_frame):
             pred_BZthw = self.predict(module, xs_BZthw, timestep_B, context_BLD, inputs)
         # This rank's share of the mean over all frames: the shares of a replica sum to its loss.
         whole = x0_BZthw.numel() // x0_BZthw.shape[2] * frames[2]
         return {"loss": (pred_BZthw.float() - (noise_BZthw - x0_BZthw).float()).square().sum() / whole}
+
+    def shard_frames(self, shards: Mapping[str, Region] | None) -> tuple[int, int, int] | None:
+        """``(start, stop, total)``: the latent frames this sequence-parallel rank holds (``None``:
+        not split); a ``ValueError`` when a rank would hold none."""
+        if shards is None or "latents" not in shards:
+            return None
+        region = shards["latents"]
+        if len(region.ranges) != 1:
+            raise ValueError(
+                f"stage {self.name!r}: {region.length} latent frames cannot be split over "
+                "its sequence-parallel ranks (every rank needs at least one frame)"
+            )
+        return (*region.ranges[0], region.length)
+
+    def tokens_per_frame(self, x0_BZthw: torch.Tensor) -> int:
+        """The DiT's tokens for one latent frame of ``x0_BZthw`` (its spatial patches)."""
+        cfg = self.source.config
+        p_h, p_w = cfg.patch_size[1:] if isinstance(cfg.patch_size, list | tuple) else (cfg.patch_size,) * 2
+        return (x0_BZthw.shape[3] // p_h) * (x0_BZthw.shape[4] // p_w)
 
     def flow_shift(self, x0_BZthw: torch.Tensor) -> float:
         """The timestep shift of a micro-batch's draw (the constant ``shift``; LTX's depends on the grid)."""
@@ -292,15 +303,18 @@ class WanDiTFlowMatchingStage(FlowMatchingDiTStage):
 
 
 class WanI2VDiTFlowMatchingStage(WanDiTFlowMatchingStage):
-    """``latents, context, condition, image_embeds -> loss``: the Wan 2.1 image-to-video DiT
-    (``WanTransformer3DModel`` with an ``image_dim``), trained like the text-to-video one.
+    """``latents, context, condition[, image_embeds] -> loss``: a Wan image-to-video DiT
+    (``WanTransformer3DModel`` whose input has condition channels), trained like the text-to-video one.
 
     The module sees ``cat([noisy latents, condition])`` on the channel axis, ``condition`` ``(B, S + Z,
     t, h, w)`` being the first-frame mask and the first frame's latents of
-    :class:`~mmpipe.stages.WanI2VVAEEncodeStage`, and the CLIP embeddings ``image_embeds`` ``(B, N,
-    D)`` as ``encoder_hidden_states_image``: ``WanImageToVideoPipeline``'s call of its transformer.
-    The target is the velocity of the ``Z`` latent channels only (the module's ``out_channels``).
-    Sequence parallel, the condition is split by frames like the latents (its frames are theirs).
+    :class:`~mmpipe.stages.WanI2VVAEEncodeStage`, and, where the transformer has an ``image_dim``
+    (Wan 2.1 I2V), the CLIP embeddings ``image_embeds`` ``(B, N, D)`` as
+    ``encoder_hidden_states_image``: ``WanImageToVideoPipeline``'s call of its transformer. Wan 2.2
+    I2V's experts take no CLIP embeddings (no ``image_embeds`` port), each training on its noise
+    range (``sigma_range``). The target is the velocity of the ``Z`` latent channels only (the
+    module's ``out_channels``). Sequence parallel, the condition is split by frames like the
+    latents (its frames are theirs).
     """
 
     sequence_inputs = {"latents": 2, "condition": 2}
@@ -308,11 +322,6 @@ class WanI2VDiTFlowMatchingStage(WanDiTFlowMatchingStage):
     def __init__(self, name: str, source: ModuleSource, **kw: Any) -> None:
         super().__init__(name, source, **kw)
         cfg = source.config
-        if cfg.image_dim is None:
-            raise ValueError(
-                f"stage {name!r}: the transformer has no image_dim (no CLIP image embeddings: a Wan 2.2 "
-                "expert); the image-to-video training stage is Wan 2.1 I2V's"
-            )
         if cfg.in_channels <= cfg.out_channels:
             raise ValueError(
                 f"stage {name!r}: in_channels={cfg.in_channels} leaves no condition channels beside "
@@ -322,12 +331,14 @@ class WanI2VDiTFlowMatchingStage(WanDiTFlowMatchingStage):
     @property
     def inputs(self) -> Mapping[str, TensorSpec]:
         cfg = self.source.config
-        return {
+        ports = {
             "latents": TensorSpec(("B", cfg.out_channels, "t", "h", "w"), torch.float32),
             "context": TensorSpec(("B", "L", cfg.text_dim)),
             "condition": TensorSpec(("B", cfg.in_channels - cfg.out_channels, "t", "h", "w"), torch.float32),
-            "image_embeds": TensorSpec(("B", "N", cfg.image_dim)),
         }
+        if cfg.image_dim is not None:
+            ports["image_embeds"] = TensorSpec(("B", "N", cfg.image_dim))
+        return ports
 
     def predict(
         self,
@@ -339,13 +350,66 @@ class WanI2VDiTFlowMatchingStage(WanDiTFlowMatchingStage):
     ) -> torch.Tensor:
         dtype = cast(torch.dtype, module.dtype)  # diffusers ModelMixin.dtype
         x_BCthw = torch.cat([xs_BZthw, inputs["condition"]], dim=1)  # as WanImageToVideoPipeline.__call__
+        image_BND = inputs.get("image_embeds")
         return module(
             hidden_states=x_BCthw.to(dtype),
             timestep=timestep_B,
             encoder_hidden_states=context_BLD.to(dtype),
-            encoder_hidden_states_image=inputs["image_embeds"].to(dtype),
+            encoder_hidden_states_image=image_BND.to(dtype) if image_BND is not None else None,
             return_dict=False,
         )[0]
+
+
+class WanTI2VDiTFlowMatchingStage(WanDiTFlowMatchingStage):
+    """``latents, context -> loss``: Wan 2.2 TI2V's DiT (``expand_timesteps``) trained on
+    image-to-video as ``WanImageToVideoPipeline`` runs it: the clip's first latent frame is the
+    image's, clean, its tokens at timestep 0; the other frames are noised at the drawn timestep,
+    one timestep per token; the loss is over the noised frames only (the first frame has nothing
+    to predict), as DiffSynth-Studio's TI2V training computes it.
+
+    Sequence parallel, the rank holding latent frame 0 keeps it clean and leaves it out of its
+    share of the loss; every rank's per-token timesteps are its own tokens'.
+    """
+
+    def forward(
+        self,
+        module: nn.Module,
+        inputs: Mapping[str, Any],
+        *,
+        seed: int = 0,
+        rows: tuple[int, int, int] | None = None,
+        shards: Mapping[str, Region] | None = None,
+        **_: Any,
+    ) -> dict[str, Any]:
+        x0_BZthw, context_BLD = inputs["latents"], inputs["context"]
+        frames = self.shard_frames(shards)
+        start, stop, total = frames if frames is not None else (0, x0_BZthw.shape[2], x0_BZthw.shape[2])
+        if total < 2:
+            raise ValueError(
+                f"stage {self.name!r}: TI2V training conditions on the first latent frame and needs at least "
+                f"2 latent frames, got {total} (raise data.frames)"
+            )
+        noise_BZthw, sigma_B = sample_flow_matching(
+            x0_BZthw, seed=seed, shift=self.flow_shift(x0_BZthw), rows=rows, frames=frames, sigma_range=self.sigma_range
+        )
+        s_B11111 = sigma_B.view(-1, 1, 1, 1, 1)
+        xs_BZthw = (1 - s_B11111) * x0_BZthw + s_B11111 * noise_BZthw
+        per_frame = self.tokens_per_frame(x0_BZthw)
+        # the pipeline's (mask * t).flatten(): a timestep per token, 0 on the image's frame
+        timestep_BN = (sigma_B * self.num_train_timesteps)[:, None].repeat(1, (stop - start) * per_frame)
+        first = 1 if start == 0 else 0  # this rank holds the image's frame
+        if first:
+            xs_BZthw = torch.cat([x0_BZthw[:, :, :1], xs_BZthw[:, :, 1:]], dim=2)
+            timestep_BN[:, :per_frame] = 0
+        if frames is None:
+            pred_BZthw = self.predict(module, xs_BZthw, timestep_BN, context_BLD, inputs)
+        else:
+            assert self._sequence is not None, "shards are only passed to a stage made sequence parallel"
+            with self._sequence.tokens(total * per_frame, unit=per_frame):
+                pred_BZthw = self.predict(module, xs_BZthw, timestep_BN, context_BLD, inputs)
+        err_BZthw = (pred_BZthw.float() - (noise_BZthw - x0_BZthw).float()).square()[:, :, first:]
+        # this rank's share of the mean over the noised frames of the whole clip
+        return {"loss": err_BZthw.sum() / (x0_BZthw.numel() // x0_BZthw.shape[2] * (total - 1))}
 
 
 class HunyuanVideoDiTFlowMatchingStage(FlowMatchingDiTStage):

@@ -42,7 +42,8 @@ class TrainingPipeline(NamedTuple):
 
     training_graph: Callable[..., Graph]  # (pipeline_dir, *, text_len) -> Graph
     components: tuple[str, ...]  # what the graph reads from the directory
-    stages: tuple[str, ...] | None = None  # the graph's stage names (None: Wan's, t2v_training_stages)
+    # the graph's stage names for a directory (None: Wan's, t2v_training_stages)
+    stages: Callable[[Path], tuple[str, ...]] | None = None
     # refuses the layouts of the class the graph does not cover: (root, model_index, where) -> None
     check: Callable[[Path, Mapping[str, Any], str], None] | None = None
 
@@ -61,6 +62,12 @@ def _check_wan_i2v_training_dir(root: Path, meta: Mapping[str, Any], where: str)
     check_i2v_training_dir(root, meta, where)
 
 
+def _wan_i2v_training_stages(root: Path) -> tuple[str, ...]:
+    from mmpipe.models.wan_i2v import wan_i2v_training_stages  # imported here: see above
+
+    return wan_i2v_training_stages(root)
+
+
 #: The pipeline classes a ``model.kind=t2v`` run trains from ``model.path``, by ``_class_name``.
 TRAINING_PIPELINES = {
     "WanPipeline": TrainingPipeline(build_t2v_training_graph, WAN_COMPONENTS),
@@ -71,8 +78,8 @@ TRAINING_PIPELINES = {
     "CogVideoXPipeline": TrainingPipeline(build_cogvideox_training_graph, WAN_COMPONENTS),
     "WanImageToVideoPipeline": TrainingPipeline(
         _build_wan_i2v_training_graph,
-        (*WAN_COMPONENTS, "image_encoder", "image_processor"),
-        ("text", "clip", "vae", "dit"),  # build_wan_i2v_training_graph's
+        WAN_COMPONENTS,  # and the image_encoder and image_processor of a transformer with an image_dim (the check)
+        _wan_i2v_training_stages,
         _check_wan_i2v_training_dir,
     ),
 }
@@ -97,7 +104,9 @@ def pipeline_training_stages(model: ModelConfig) -> tuple[str, ...]:
     index = Path(model.path) / "model_index.json" if model.path is not None else None
     name = json.loads(index.read_text()).get("_class_name") if index is not None and index.is_file() else None
     entry = TRAINING_PIPELINES.get(str(name))
-    return entry.stages if entry is not None and entry.stages is not None else t2v_training_stages(model)
+    if entry is None or entry.stages is None or index is None:
+        return t2v_training_stages(model)
+    return entry.stages(index.parent)
 
 
 def build_pipeline_training_graph(pipeline_dir: str | Path, *, text_len: int) -> Graph:

@@ -628,10 +628,11 @@ def check_pipeline_dir(
     two_expert = isinstance(meta.get("transformer_2"), list) and any(meta["transformer_2"])
     if two_expert != (meta.get("boundary_ratio") is not None):
         raise ValueError(f"{where}: a two-expert Wan 2.2 pipeline needs both transformer_2 and boundary_ratio")
-    if meta.get("expand_timesteps"):
+    if meta.get("expand_timesteps") and name == "WanPipeline":
         raise ValueError(
             f"{where}: WanPipeline with expand_timesteps=True (Wan 2.2 TI2V) is not supported by training and "
-            "serving yet; mmpipe.from_diffusers and mmpipe generate pipeline=DIR run it"
+            "serving yet; mmpipe.from_diffusers and mmpipe generate pipeline=DIR run it (and training takes "
+            "its WanImageToVideoPipeline layout)"
         )
     for component in (*supported[str(name)], *(("transformer_2",) if two_expert else ())):
         entry = meta.get(component)

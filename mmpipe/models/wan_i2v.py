@@ -12,12 +12,15 @@ channel axis at each step. Wan 2.2's paths run too: two experts (``transformer_2
 is the image's latents ``(B, Z, 1, h, w)`` written over the first latent frame (whose tokens take
 timestep 0) at each step and after the last.
 
-Training graph (:func:`build_wan_i2v_training_graph`, Wan 2.1 I2V only), each clip conditioning on
-its own first frame::
+Training graph (:func:`build_wan_i2v_training_graph`), each clip conditioning on its own first
+frame; Wan 2.1 I2V's::
 
     input.{input_ids, attention_mask} -> text.context -> dit.context
     input.video -> clip.image_embeds -> dit.image_embeds
     input.video -> vae.{latents, condition} -> dit.{latents, condition} -> dit.loss
+
+Wan 2.2 I2V's has no ``clip`` and two experts (``dit``, ``dit_2``) on the same ports; TI2V's has no
+``clip`` and no condition (its DiT keeps the latents' first frame clean). FLF2V is refused.
 
 Tiny presets: the real component classes (``WanTransformer3DModel``, ``AutoencoderKLWan``,
 ``UMT5EncoderModel``, ``CLIPVisionModel`` with a ``CLIPImageProcessor``) from small configs, a
@@ -42,7 +45,7 @@ from transformers import AutoTokenizer, CLIPVisionConfig, CLIPVisionModel
 from mmpipe.config import ModelConfig
 from mmpipe.data import caption_vocabulary
 from mmpipe.graph import Graph, TensorSpec
-from mmpipe.models.pipeline_graph import prompt_list, read_model_index
+from mmpipe.models.pipeline_graph import check_component, prompt_list, read_model_index
 from mmpipe.models.wan import (
     Wan22Family,
     build_text_encoder,
@@ -50,7 +53,13 @@ from mmpipe.models.wan import (
     build_word_tokenizer,
     flow_shift_of,
 )
-from mmpipe.stages import CLIPImageEncoderStage, WanI2VDiTFlowMatchingStage, WanI2VVAEEncodeStage
+from mmpipe.stages import (
+    CLIPImageEncoderStage,
+    WanI2VDiTFlowMatchingStage,
+    WanI2VVAEEncodeStage,
+    WanTI2VDiTFlowMatchingStage,
+    WanVAEEncodeStage,
+)
 
 
 class WanI2VFamily(Wan22Family):
@@ -207,6 +216,15 @@ WAN_I2V_TRAIN_EDGES = (
 )
 
 
+#: where each input port of an image-to-video DiT stage comes from
+I2V_DIT_SOURCES = {
+    "context": "text.context",
+    "latents": "vae.latents",
+    "condition": "vae.condition",
+    "image_embeds": "clip.image_embeds",
+}
+
+
 def check_i2v_text_len(text_len: int) -> None:
     """A ``ValueError`` unless ``text_len`` (``model.text_len``) is :data:`I2V_TEXT_LEN`."""
     if text_len != I2V_TEXT_LEN:
@@ -216,61 +234,101 @@ def check_i2v_text_len(text_len: int) -> None:
         )
 
 
+def _transformer_config(root: Path, component: str = "transformer") -> dict[str, Any]:
+    config = root / component / "config.json"
+    return cast(dict[str, Any], json.loads(config.read_text())) if config.is_file() else {}
+
+
+def _two_experts(meta: Mapping[str, Any]) -> bool:
+    second = meta.get("transformer_2")
+    return (isinstance(second, list) and any(second)) or meta.get("boundary_ratio") is not None
+
+
 def check_i2v_training_dir(root: Path, meta: Mapping[str, Any], where: str) -> None:
     """Refuse the ``WanImageToVideoPipeline`` layouts training does not cover (a ``ValueError``
-    naming ``where`` and why), from ``model_index.json`` and the transformer's config only: it trains
-    Wan 2.1 I2V (one transformer with CLIP image embeddings, conditioned on the clip's first frame)."""
-    if meta.get("expand_timesteps"):
-        raise ValueError(
-            f"{where}: WanImageToVideoPipeline with expand_timesteps=True (Wan 2.2 TI2V: per-token "
-            "timesteps, the image written over the first latent frame) is not supported by training; "
-            "Wan 2.1 I2V is (one transformer, a CLIP image_encoder)"
-        )
-    second = meta.get("transformer_2")
-    if (isinstance(second, list) and any(second)) or meta.get("boundary_ratio") is not None:
-        raise ValueError(
-            f"{where}: a two-expert WanImageToVideoPipeline (Wan 2.2 I2V: transformer_2, boundary_ratio) "
-            "is not supported by training; Wan 2.1 I2V is (one transformer, a CLIP image_encoder)"
-        )
-    encoder = meta.get("image_encoder")
-    if not (isinstance(encoder, list) and all(encoder)):
-        raise ValueError(
-            f"{where}: a WanImageToVideoPipeline without an image_encoder (no CLIP embeddings) is not "
-            "supported by training; Wan 2.1 I2V is (one transformer, a CLIP image_encoder)"
-        )
-    config = root / "transformer" / "config.json"
-    if config.is_file() and json.loads(config.read_text()).get("pos_embed_seq_len") is not None:
+    naming ``where`` and why), from ``model_index.json`` and the transformer's config only. It
+    trains Wan 2.1 I2V (one transformer with CLIP image embeddings), Wan 2.2 I2V (two experts split
+    at ``boundary_ratio``, no CLIP) and Wan 2.2 TI2V (``expand_timesteps``), each clip conditioned
+    on its own first frame; not FLF2V (first and last frames)."""
+    two = _two_experts(meta)
+    if two and not (meta.get("boundary_ratio") is not None and isinstance(meta.get("transformer_2"), list)):
+        raise ValueError(f"{where}: a two-expert Wan 2.2 I2V pipeline needs both transformer_2 and boundary_ratio")
+    if meta.get("expand_timesteps") and two:
+        raise ValueError(f"{where}: expand_timesteps=True (Wan 2.2 TI2V) with two experts is not a Wan layout")
+    config = _transformer_config(root)
+    if config.get("pos_embed_seq_len") is not None:
         raise ValueError(
             f"{where}: the transformer has pos_embed_seq_len (Wan 2.1 FLF2V: first and last frames' "
-            "CLIP embeddings); training conditions on the first frame only, as Wan 2.1 I2V"
+            "CLIP embeddings); training conditions on the first frame only (Wan 2.1 I2V, Wan 2.2 I2V and TI2V)"
         )
+    if config.get("image_dim") is not None:  # Wan 2.1 I2V: the CLIP stage's components
+        for component in ("image_encoder", "image_processor"):
+            entry = meta.get(component)
+            if not (isinstance(entry, list) and all(entry)):
+                raise ValueError(
+                    f"{where}: the transformer takes CLIP image embeddings (image_dim={config['image_dim']}) "
+                    f"but model_index.json names no {component} (got {entry!r})"
+                )
+            check_component(root, component, where)
+
+
+def wan_i2v_training_stages(root: Path) -> tuple[str, ...]:
+    """The stage names of :func:`build_wan_i2v_training_graph` for the directory ``root``: ``clip``
+    where the transformer takes CLIP embeddings (Wan 2.1), ``dit_2`` for Wan 2.2's second expert."""
+    meta = json.loads((root / "model_index.json").read_text())
+    clip = ("clip",) if _transformer_config(root).get("image_dim") is not None else ()
+    return ("text", *clip, "vae", "dit", *(("dit_2",) if _two_experts(meta) else ()))
 
 
 def build_wan_i2v_training_graph(pipeline_dir: str | Path, *, text_len: int) -> Graph:
-    """The flow-matching training graph of a local Wan 2.1 I2V ``WanImageToVideoPipeline``
-    directory, each clip conditioning on its own first frame::
+    """The flow-matching training graph of a local ``WanImageToVideoPipeline`` directory, each clip
+    conditioning on its own first frame. Wan 2.1 I2V::
 
         input.{input_ids, attention_mask} -> text.context -> dit.context
         input.video -> clip.image_embeds -> dit.image_embeds
         input.video -> vae.{latents, condition} -> dit.{latents, condition} -> dit.loss
 
-    ``text_len`` (``model.text_len``) must be 512 (:data:`I2V_TEXT_LEN`)."""
+    Wan 2.2 I2V: no ``clip``; the experts ``dit`` (noise levels from ``boundary_ratio`` up) and
+    ``dit_2`` (below) take the same ports. Wan 2.2 TI2V: no ``clip``, no condition port (the DiT
+    keeps the latents' first frame clean, :class:`~mmpipe.stages.WanTI2VDiTFlowMatchingStage`).
+
+    ``text_len`` (``model.text_len``) must be 512 (:data:`I2V_TEXT_LEN`) where CLIP embeddings
+    share the context (Wan 2.1)."""
     root = Path(pipeline_dir)
-    check_i2v_text_len(text_len)
     where = f"model.path={str(root)!r}"
-    check_i2v_training_dir(root, read_model_index(root, where), where)
+    meta = read_model_index(root, where)
+    check_i2v_training_dir(root, meta, where)
+    stages = wan_i2v_training_stages(root)
+    if "clip" in stages:
+        check_i2v_text_len(text_len)
     tokenizer = AutoTokenizer.from_pretrained(root / "tokenizer")
     shift = flow_shift_of(UniPCMultistepScheduler.load_config(root / "scheduler"))
-    g = Graph("wan_i2v_train")
+    ti2v = bool(meta.get("expand_timesteps"))
+    g = Graph("wan_ti2v_train" if ti2v else "wan_i2v_train")
     g.add_input("input_ids", TensorSpec(("B", text_len), torch.int64))
     g.add_input("attention_mask", TensorSpec(("B", text_len), torch.int64))
     g.add_input("video", TensorSpec(("B", 3, "T", "H", "W"), torch.float32))
     g.add_stage(build_text_stage("text", root / "text_encoder", tokenizer, max_length=text_len))
-    g.add_stage(CLIPImageEncoderStage.from_pipeline_dir("clip", root))
-    g.add_stage(WanI2VVAEEncodeStage.from_pretrained("vae", root / "vae"))
-    g.add_stage(WanI2VDiTFlowMatchingStage.from_pretrained("dit", root / "transformer", shift=shift))
-    for src, dst in WAN_I2V_TRAIN_EDGES:
-        g.connect(src, dst)
+    if "clip" in stages:
+        g.add_stage(CLIPImageEncoderStage.from_pipeline_dir("clip", root))
+    vae_cls = WanVAEEncodeStage if ti2v else WanI2VVAEEncodeStage
+    g.add_stage(vae_cls.from_pretrained("vae", root / "vae"))
+    dit_cls = WanTI2VDiTFlowMatchingStage if ti2v else WanI2VDiTFlowMatchingStage
+    if "dit_2" in stages:  # Wan 2.2: each expert trains on the noise range the sampler gives it
+        boundary = float(meta["boundary_ratio"])
+        experts = {"dit": ("transformer", (boundary, 1.0)), "dit_2": ("transformer_2", (0.0, boundary))}
+    else:
+        experts = {"dit": ("transformer", (0.0, 1.0))}
+    for name, (component, sigmas) in experts.items():
+        g.add_stage(dit_cls.from_pretrained(name, root / component, shift=shift, sigma_range=sigmas))
+    g.connect("input.input_ids", "text.input_ids")
+    g.connect("input.attention_mask", "text.attention_mask")
+    g.connect("input.video", "vae.video")
+    if "clip" in g.stages:
+        g.connect("input.video", "clip.video")
+    for expert in experts:  # every port of each expert, from the stage that makes it
+        for port in g.stages[expert].inputs:
+            g.connect(I2V_DIT_SOURCES[port], f"{expert}.{port}")
     g.validate()
     return g
 

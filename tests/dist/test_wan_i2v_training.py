@@ -92,12 +92,18 @@ def test_image_processing_is_the_processors(i2v_dir: Path, size: tuple[int, int]
 
 
 def _run(
-    run_dir: Path, root: Path, nproc: int, placement: dict | None, parallel: dict[str, Any] | None = None
+    run_dir: Path,
+    root: Path,
+    nproc: int,
+    placement: dict | None,
+    parallel: dict[str, Any] | None = None,
+    *,
+    text_len: int = I2V_TEXT_LEN,
 ) -> None:
     train(
         RunConfig(
             run_dir=str(run_dir),
-            model=_model(root),
+            model=ModelConfig(path=str(root), text_len=text_len),
             data=DataConfig(frames=9, height=32, width=32, num_samples=64, val_samples=4),
             train=TrainConfig(
                 steps=STEPS,
@@ -168,16 +174,25 @@ def test_pipeline_split_trains_bitwise_like_one_process_and_generates(i2v_dir: P
         generate(GenerateConfig(ckpt=str(tmp_path / "pp"), steps=2))
 
 
-@pytest.mark.parametrize(
-    ("variant", "message"),
-    [
-        ("wan22", r"two-expert WanImageToVideoPipeline \(Wan 2.2 I2V"),
-        ("ti2v", r"expand_timesteps=True \(Wan 2.2 TI2V"),
-        ("flf2v", r"pos_embed_seq_len \(Wan 2.1 FLF2V"),
-    ],
-)
-def test_other_i2v_layouts_are_refused_before_any_worker(tmp_path: Path, variant: str, message: str) -> None:
-    root = save_tiny_wan_i2v_pipeline(tmp_path / variant, variant=variant)
+def test_flf2v_is_refused_before_any_worker(tmp_path: Path) -> None:
+    root = save_tiny_wan_i2v_pipeline(tmp_path / "flf2v", variant="flf2v")
+    message = r"pos_embed_seq_len \(Wan 2.1 FLF2V"
+    with pytest.raises(ValueError, match=message):
+        check_training_pipeline_dir(root)
+    with pytest.raises(ValueError, match="model.path=.*" + message):
+        _run(tmp_path / "run", root, 2, None)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_clip_transformer_without_its_image_encoder_is_refused(i2v_dir: Path, tmp_path: Path) -> None:
+    import json
+    import shutil
+
+    root = Path(shutil.copytree(i2v_dir, tmp_path / "no_clip"))
+    index = json.loads((root / "model_index.json").read_text())
+    index["image_encoder"] = [None, None]
+    (root / "model_index.json").write_text(json.dumps(index))
+    message = r"image_dim=16\) but model_index.json names no image_encoder"
     with pytest.raises(ValueError, match=message):
         check_training_pipeline_dir(root)
     with pytest.raises(ValueError, match="model.path=.*" + message):
@@ -209,5 +224,114 @@ def test_dit_split_by_ulysses_splits_the_condition_with_the_latents(i2v_dir: Pat
         assert g["loss"] == pytest.approx(r["loss"], rel=1e-5)
         assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-5)
     pr, pg = _dit_params(tmp_path / "ref", i2v_dir), _dit_params(tmp_path / "sp", i2v_dir)
+    for k in pr:
+        torch.testing.assert_close(pg[k], pr[k], rtol=1e-5, atol=1e-5, msg=k)
+
+
+# ---- Wan 2.2: I2V (two experts, no CLIP) and TI2V (expand_timesteps) ------------------------------
+
+
+@pytest.fixture(scope="module", params=["wan22", "ti2v"])
+def wan22_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_wan_i2v_pipeline(tmp_path_factory.mktemp(request.param) / "pipeline", variant=request.param)
+
+
+@pytest.fixture(scope="module")
+def ti2v_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_wan_i2v_pipeline(tmp_path_factory.mktemp("ti2v") / "pipeline", variant="ti2v")
+
+
+WAN22_TEXT_LEN = 16  # no CLIP tokens share the context: any length
+
+
+def _wan22_model(root: Path) -> ModelConfig:
+    return ModelConfig(path=str(root), text_len=WAN22_TEXT_LEN)
+
+
+def test_wan22_layouts_train_bitwise_split_and_generate(wan22_dir: Path, tmp_path: Path) -> None:
+    """Wan 2.2 I2V (``dit`` / ``dit_2``, the condition concatenated, no CLIP) and TI2V (one DiT, the
+    clean first frame) split text + VAE | DiT(s) over two ranks train bitwise like one process
+    (losses, gradient norms, every expert's parameters); the trained run generates from an image."""
+    model = _wan22_model(wan22_dir)
+    stages = training_stages(model)
+    two = "dit_2" in stages
+    assert stages == (("text", "vae", "dit", "dit_2") if two else ("text", "vae", "dit"))
+
+    _run(tmp_path / "ref", wan22_dir, 1, None, text_len=WAN22_TEXT_LEN)
+    split = {"text": [0], "vae": [0], "dit": [1], **({"dit_2": [1]} if two else {})}
+    _run(tmp_path / "pp", wan22_dir, 2, split, text_len=WAN22_TEXT_LEN)
+    ref, got = read_metrics(tmp_path / "ref"), read_metrics(tmp_path / "pp")
+    assert len(ref) == len(got) and any("loss" in r for r in ref)
+    for key in ("loss", "grad_norm", "val_loss"):
+        assert [r.get(key) for r in got] == [r.get(key) for r in ref], key
+    for stage, component in (("dit", "transformer"), *((("dit_2", "transformer_2"),) if two else ())):
+        weights = []
+        for run_dir in (tmp_path / "ref", tmp_path / "pp"):
+            module = WanTransformer3DModel.from_pretrained(wan22_dir / component)
+            load_latest_weights(run_dir, {stage: module})
+            weights.append(module.state_dict())
+        initial = WanTransformer3DModel.from_pretrained(wan22_dir / component).state_dict()
+        assert all(torch.equal(weights[0][k], weights[1][k]) for k in initial), stage
+        assert any(not torch.equal(initial[k], weights[0][k]) for k in initial), f"{stage} did not train"
+
+    from mmpipe.runtime.trained import load_trained_graph
+
+    graph: Any = load_trained_graph(tmp_path / "pp")
+    assert torch.equal(graph.denoise.module["transformer"].state_dict()["proj_out.weight"], weights[0]["proj_out.weight"])
+    image = _pil(_clips(1)[:, :, 0])[0]
+    kw = dict(height=32, width=32, num_frames=9, num_inference_steps=2, seed=0, output_type="np", progress=False)
+    assert graph.generate(image=image, prompt="a red circle moving left", **kw).shape == (1, 9, 32, 32, 3)
+
+
+def test_ti2v_objective_keeps_the_first_frame_clean(ti2v_dir: Path) -> None:
+    """TI2V's DiT sees the clip's first latent frame clean with its tokens at timestep 0, the
+    others noised at the drawn timestep (one timestep per token, as the pipeline passes them), and
+    the loss is the mean over the noised frames only."""
+    from mmpipe.stages.dit import sample_flow_matching
+
+    dit = build_training_graph(_wan22_model(ti2v_dir), ti2v_dir).stages["dit"]
+    assert set(dit.inputs) == {"latents", "context"}  # no condition port: the latents carry the image
+    x0 = torch.randn((2, 16, 3, 4, 4), generator=torch.Generator().manual_seed(1))
+    context = torch.randn((2, WAN22_TEXT_LEN, 32), generator=torch.Generator().manual_seed(2))
+    seen: dict[str, torch.Tensor] = {}
+
+    def spy(module: Any, args: Any, kwargs: dict[str, Any], out: Any) -> None:
+        seen.update(hidden=kwargs["hidden_states"], timestep=kwargs["timestep"], pred=out[0])
+
+    handle = dit.module.register_forward_hook(spy, with_kwargs=True)
+    try:
+        loss = dit.forward(dit.module, {"latents": x0, "context": context}, seed=5)["loss"]
+    finally:
+        handle.remove()
+    noise, sigma = sample_flow_matching(x0, seed=5, shift=dit.shift)
+    s = sigma.view(-1, 1, 1, 1, 1)
+    assert torch.equal(seen["hidden"][:, :, 0], x0[:, :, 0])  # the image's frame, clean
+    assert torch.equal(seen["hidden"][:, :, 1:], ((1 - s) * x0 + s * noise)[:, :, 1:])
+    per_frame = 2 * 2  # 4 x 4 latents in 2 x 2 patches
+    assert seen["timestep"].shape == (2, 3 * per_frame)
+    assert torch.equal(seen["timestep"][:, :per_frame], torch.zeros(2, per_frame))
+    assert torch.equal(seen["timestep"][:, per_frame:], (sigma * 1000)[:, None].expand(2, 2 * per_frame))
+    want = (seen["pred"] - (noise - x0)).square()[:, :, 1:].mean()
+    torch.testing.assert_close(loss, want, rtol=1e-6, atol=0)
+    with pytest.raises(ValueError, match="at least 2 latent frames, got 1"):
+        dit.forward(dit.module, {"latents": x0[:, :, :1], "context": context})
+
+
+def test_ti2v_ulysses_split_matches_one_process(ti2v_dir: Path, tmp_path: Path) -> None:
+    """The TI2V DiT Ulysses-split over two ranks (3 latent frames: the image's frame and one more on
+    rank 0, one on rank 1), each rank's per-token timesteps its own tokens', the first frame out of
+    rank 0's share of the loss: the 1-process run's losses, gradient norms and parameters within the
+    reassociation tolerance of the sequence-parallel tests."""
+    from mmpipe.config import StageParallelConfig
+
+    _run(tmp_path / "ref", ti2v_dir, 1, None, text_len=WAN22_TEXT_LEN)
+    split = {"dit": StageParallelConfig(ulysses=2)}
+    _run(tmp_path / "sp", ti2v_dir, 2, {"text": [0], "vae": [0], "dit": [0, 1]}, split, text_len=WAN22_TEXT_LEN)
+    ref, got = read_metrics(tmp_path / "ref"), read_metrics(tmp_path / "sp")
+    assert len(got) == len(ref)
+    for r, g in zip(ref[1:], got[1:], strict=True):
+        assert g["loss"] == pytest.approx(r["loss"], rel=1e-5)
+        assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-5)
+    pr, pg = _dit_params(tmp_path / "ref", ti2v_dir), _dit_params(tmp_path / "sp", ti2v_dir)
     for k in pr:
         torch.testing.assert_close(pg[k], pr[k], rtol=1e-5, atol=1e-5, msg=k)
