@@ -95,6 +95,16 @@ def sample_flow_matching(
     return noise[start:stop, :, f0:f1].to(latents_BZthw.device), sigma_B[start:stop].to(latents_BZthw.device)
 
 
+def refuse_kernels(stage: SourcedStage, choice: KernelChoice) -> None:
+    """A ``ValueError`` naming ``stage`` when ``choice`` (``model.kernels``) asks for any of
+    mmpipe's kernels: they are written to the Wan DiT's block."""
+    if choice != KernelChoice():
+        raise ValueError(
+            f"stage {stage.name!r}: model.kernels asks for mmpipe's Triton kernels, which are written to the "
+            f"Wan DiT's block, not {type(stage).__name__}'s; leave model.kernels at auto or torch"
+        )
+
+
 class FlowMatchingDiTStage(SourcedStage):
     """``latents, context -> loss``: one flow-matching training step of a DiT on a micro-batch.
 
@@ -161,10 +171,13 @@ class FlowMatchingDiTStage(SourcedStage):
     def apply_sequence_hooks(self, module: nn.Module, state: SequenceState) -> None:
         """Wrap the module's self-attention processors and position embedding for ``state``."""
 
+    def check_kernels(self, choice: KernelChoice) -> None:
+        """A ``ValueError`` unless :meth:`use_kernels` can swap ``choice`` into this DiT (before any worker)."""
+        refuse_kernels(self, choice)
+
     def use_kernels(self, module: nn.Module, choice: KernelChoice) -> None:
         """Swap the chosen non-``torch`` kernels (``mmpipe.kernels``) into the module."""
-        if choice != KernelChoice():
-            raise ValueError(f"stage {self.name!r}: mmpipe's kernels cover the Wan DiT, not {type(self).__name__}")
+        self.check_kernels(choice)
 
     def forward(
         self,
@@ -179,7 +192,12 @@ class FlowMatchingDiTStage(SourcedStage):
         x0_BZthw, context_BLD = inputs["latents"], inputs["context"]
         frames = self.shard_frames(shards)
         noise_BZthw, sigma_B = sample_flow_matching(
-            x0_BZthw, seed=seed, shift=self.flow_shift(x0_BZthw), rows=rows, frames=frames, sigma_range=self.sigma_range
+            x0_BZthw,
+            seed=seed,
+            shift=self.flow_shift(self.latent_grid(x0_BZthw, frames)),
+            rows=rows,
+            frames=frames,
+            sigma_range=self.sigma_range,
         )
         s_B11111 = sigma_B.view(-1, 1, 1, 1, 1)
         xs_BZthw = (1 - s_B11111) * x0_BZthw + s_B11111 * noise_BZthw
@@ -214,8 +232,16 @@ class FlowMatchingDiTStage(SourcedStage):
         p_h, p_w = cfg.patch_size[1:] if isinstance(cfg.patch_size, list | tuple) else (cfg.patch_size,) * 2
         return (x0_BZthw.shape[3] // p_h) * (x0_BZthw.shape[4] // p_w)
 
-    def flow_shift(self, x0_BZthw: torch.Tensor) -> float:
-        """The timestep shift of a micro-batch's draw (the constant ``shift``; LTX's depends on the grid)."""
+    @staticmethod
+    def latent_grid(x0_BZthw: torch.Tensor, frames: tuple[int, int, int] | None) -> tuple[int, int, int]:
+        """``(t, h, w)`` of the whole clip's latents (``frames``: a sequence-parallel shard's, whose
+        third entry is the clip's frame count)."""
+        t, h, w = x0_BZthw.shape[2:]
+        return (frames[2] if frames is not None else t, h, w)
+
+    def flow_shift(self, grid: tuple[int, int, int]) -> float:
+        """The timestep shift of a micro-batch's draw for the whole clip's latent ``grid`` ``(t, h, w)``
+        (the constant ``shift``; LTX's depends on the grid)."""
         return self.shift
 
     @abc.abstractmethod
@@ -253,6 +279,16 @@ def _rotary_for_shard(state: SequenceState, *, token_dim: int) -> Callable[..., 
     return hook
 
 
+def _rotary_cut_to_shard(state: SequenceState, *, token_dim: int) -> Callable[..., tuple[torch.Tensor, ...]]:
+    """A forward hook for a rotary module that is given the whole grid's size (LTX's takes
+    ``num_frames``, ``height``, ``width``): its tables cut to this rank's tokens."""
+
+    def hook(rope: nn.Module, args: tuple[Any, ...], out: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        return tuple(state.token_mesh.layout.shard(f, token_dim, state.mesh.index) for f in out)
+
+    return hook
+
+
 def wan_sequence_hooks(module: nn.Module, state: SequenceState) -> None:
     """Make a ``WanTransformer3DModel`` run on this rank's latent frames (training and inference):
     self-attention (``attn1``) through the sequence-parallel processor, the rotary table of the whole
@@ -260,6 +296,17 @@ def wan_sequence_hooks(module: nn.Module, state: SequenceState) -> None:
     for block in cast(Any, module).blocks:
         block.attn1.set_processor(SequenceParallelProcessor(block.attn1.processor, state))
     cast(Any, module).rope.register_forward_hook(_rotary_for_shard(state, token_dim=1))
+
+
+def ltx_sequence_hooks(module: nn.Module, state: SequenceState) -> None:
+    """Make an ``LTXVideoTransformer3DModel`` run on this rank's latent frames (packed into a
+    contiguous token range): self-attention (``attn1``) through the sequence-parallel processor;
+    the rotary tables, which the module computes from the whole grid it is told, cut to this
+    rank's tokens; cross-attention to the (replicated) text stays local."""
+    m = cast(Any, module)
+    for block in m.transformer_blocks:
+        block.attn1.set_processor(SequenceParallelProcessor(block.attn1.processor, state))
+    m.rope.register_forward_hook(_rotary_cut_to_shard(state, token_dim=1))
 
 
 def hunyuan_sequence_hooks(module: nn.Module, state: SequenceState) -> None:
@@ -281,6 +328,9 @@ class WanDiTFlowMatchingStage(FlowMatchingDiTStage):
 
     def apply_sequence_hooks(self, module: nn.Module, state: SequenceState) -> None:
         wan_sequence_hooks(module, state)
+
+    def check_kernels(self, choice: KernelChoice) -> None:
+        pass  # every kernel covers the Wan DiT
 
     def use_kernels(self, module: nn.Module, choice: KernelChoice) -> None:
         use_kernels(module, choice)
@@ -390,7 +440,12 @@ class WanTI2VDiTFlowMatchingStage(WanDiTFlowMatchingStage):
                 f"2 latent frames, got {total} (raise data.frames)"
             )
         noise_BZthw, sigma_B = sample_flow_matching(
-            x0_BZthw, seed=seed, shift=self.flow_shift(x0_BZthw), rows=rows, frames=frames, sigma_range=self.sigma_range
+            x0_BZthw,
+            seed=seed,
+            shift=self.flow_shift(self.latent_grid(x0_BZthw, frames)),
+            rows=rows,
+            frames=frames,
+            sigma_range=self.sigma_range,
         )
         s_B11111 = sigma_B.view(-1, 1, 1, 1, 1)
         xs_BZthw = (1 - s_B11111) * x0_BZthw + s_B11111 * noise_BZthw
@@ -511,13 +566,14 @@ class LTXDiTFlowMatchingStage(FlowMatchingDiTStage):
     ``LTXPipeline.__call__`` passes them. ``dynamic_shift=(base_seq_len, max_seq_len, base_shift,
     max_shift)`` (a scheduler with ``use_dynamic_shifting``): the shift of each draw is
     ``exp(mu)`` with ``mu = calculate_shift(t * h * w, ...)``, the warp the sampler applies to its
-    sigmas for that grid; otherwise the constant ``shift``. Sequence parallelism is not supported
-    (LTX's rotary embedding is computed from the whole grid inside the module).
+    sigmas for that grid; otherwise the constant ``shift`` (the whole clip's grid, sequence
+    parallel too). Sequence parallel, each rank packs and predicts its latent frames; the module is
+    told the whole grid, so its rotary tables are the clip's, cut to the rank's tokens
+    (:func:`ltx_sequence_hooks`).
     """
 
     model_cls = LTXVideoTransformer3DModel
     context_dim_key = "caption_channels"
-    capabilities = Capabilities(sequence_parallel=False, fsdp=True, offload=True)
 
     def __init__(
         self,
@@ -542,14 +598,13 @@ class LTXDiTFlowMatchingStage(FlowMatchingDiTStage):
         return {**super().inputs, "context_mask": TensorSpec(("B", "L"), torch.int64)}
 
     def apply_sequence_hooks(self, module: nn.Module, state: SequenceState) -> None:
-        raise ValueError(f"stage {self.name!r}: the LTX-Video DiT cannot be sequence parallel")
+        ltx_sequence_hooks(module, state)
 
-    def flow_shift(self, x0_BZthw: torch.Tensor) -> float:
+    def flow_shift(self, grid: tuple[int, int, int]) -> float:
         if self.dynamic_shift is None:
             return self.shift
         base_seq, max_seq, base_shift, max_shift = self.dynamic_shift
-        t, h, w = x0_BZthw.shape[2:]
-        return math.exp(calculate_shift(t * h * w, base_seq, max_seq, base_shift, max_shift))
+        return math.exp(calculate_shift(math.prod(grid), base_seq, max_seq, base_shift, max_shift))
 
     def predict(
         self,
@@ -564,12 +619,15 @@ class LTXDiTFlowMatchingStage(FlowMatchingDiTStage):
         t, h, w = xs_BZthw.shape[2:]
         dtype = cast(torch.dtype, module.dtype)  # the pipeline's: the text embeddings' (= the DiT's) dtype
         xs_BSD = LTXPipeline._pack_latents(xs_BZthw, p, p_t)
+        state = self._sequence
+        # sequence parallel: this rank's frames, the rotary tables of the whole clip's grid
+        frames = state.length // state.unit if state is not None and state.length is not None else t
         pred_BSD = module(
             hidden_states=xs_BSD.to(dtype),
             encoder_hidden_states=context_BLD.to(dtype),
             timestep=timestep_B,
             encoder_attention_mask=inputs["context_mask"].bool(),
-            num_frames=t,
+            num_frames=frames,
             height=h,
             width=w,
             rope_interpolation_scale=self.rope_interpolation_scale,
@@ -618,6 +676,10 @@ class CogVideoXDiTStage(SourcedStage):
     kind = "dit"
     model_cls = CogVideoXTransformer3DModel
     capabilities = Capabilities(sequence_parallel=False, fsdp=True, offload=True)
+
+    def check_kernels(self, choice: KernelChoice) -> None:
+        """A ``ValueError`` naming the stage when ``model.kernels`` asks for mmpipe's (Wan) kernels."""
+        refuse_kernels(self, choice)
 
     def __init__(self, name: str, source: ModuleSource, *, scheduler: Any, vae_scale_factor_spatial: int) -> None:
         super().__init__(name, source, frozen=False)

@@ -86,7 +86,8 @@ def apply_parallel(
 
 def check_stage_support(graph: Graph, placement: dict[str, DeviceGroup], cfg: RunConfig) -> None:
     """Each stage can take its placement: sequence-parallel degrees (capabilities, head counts, a
-    token share on every rank), activation offload, and parameters gathered once per step."""
+    token share on every rank), activation offload, parameters gathered once per step, and the
+    DiT kernels of ``model.kernels``."""
     for stage, group in placement.items():
         if group.gather_once and (graph.stages[stage].frozen or len(group.ranks) == 1):
             raise PlanError(
@@ -99,6 +100,11 @@ def check_stage_support(graph: Graph, placement: dict[str, DeviceGroup], cfg: Ru
             raise PlanError(
                 f"placement.{stage}: offload={group.offload}, but stage {stage!r} cannot offload activations"
             )
+    choice = kernel_choice(cfg)
+    for stage in graph.stages.values():  # model.kernels: DiT kernels, on the DiTs they are written for
+        check_kernels = getattr(stage, "check_kernels", None)
+        if check_kernels is not None:
+            check_kernels(choice)
     check_frames(placement, cfg)
 
 

@@ -136,20 +136,34 @@ def test_dit_loss_is_finite_and_backpropagates(family_dir: tuple[str, Path]) -> 
     assert torch.equal(again.detach(), loss.detach())
 
 
-def test_ltx_dit_shift_follows_the_scheduler_and_refuses_sequence_parallelism(tmp_path: Path) -> None:
+def test_ltx_dit_shift_follows_the_scheduler(tmp_path: Path) -> None:
     """A scheduler with ``use_dynamic_shifting`` (the released LTX-Video's) shifts each draw by
-    ``exp(mu)`` of the latent grid, as the sampler shifts its sigmas; the DiT is not sequence parallel."""
+    ``exp(mu)`` of the latent grid, as the sampler shifts its sigmas."""
     root = save_tiny_ltx_pipeline(tmp_path / "pipeline", seed=0)
     dit = _graph(root).stages["dit"]
-    assert dit.flow_shift(torch.zeros(1, 8, 3, 8, 8)) == 1.0  # the tiny scheduler: shift=1, static
-    with pytest.raises(ValueError, match="cannot be sequence parallel"):
-        dit.check_sequence_parallel(2, 1)
+    assert dit.flow_shift((3, 8, 8)) == 1.0  # the tiny scheduler: shift=1, static
+    _dynamic_shift(root)
+    dit = _graph(root).stages["dit"]
+    want = math.exp(calculate_shift(3 * 8 * 8, 256, 4096, 0.95, 2.05))
+    assert dit.flow_shift((3, 8, 8)) == pytest.approx(want) and want != 1.0
+
+
+@pytest.mark.parametrize("name", ["ltx", "cogvideox"])
+def test_wan_kernels_on_another_dit_are_refused_before_any_worker(tmp_path: Path, name: str) -> None:
+    from mmpipe.config import KernelConfig
+
+    root = FAMILIES[name][0](tmp_path / name)
+    model = ModelConfig(path=str(root), text_len=_text_len(root), kernels=KernelConfig(norm_modulate="triton"))
+    with pytest.raises(ValueError, match=r"stage 'dit': model.kernels asks for mmpipe's Triton kernels, which are"):
+        train(RunConfig(run_dir=str(tmp_path / "run"), model=model))
+    assert not (tmp_path / "run").exists()
+
+
+def _dynamic_shift(root: Path) -> None:
+    """Give the pipeline directory the released LTX-Video's scheduler: a shift of the latent grid."""
     FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_shift=0.95, max_shift=2.05).save_config(
         root / "scheduler"
     )
-    dit = _graph(root).stages["dit"]
-    want = math.exp(calculate_shift(3 * 8 * 8, 256, 4096, 0.95, 2.05))
-    assert dit.flow_shift(torch.zeros(1, 8, 3, 8, 8)) == pytest.approx(want) and want != 1.0
 
 
 def _run(
@@ -305,6 +319,31 @@ def test_hunyuan_dit_with_the_real_mask_and_pooled_vector_split_by_ulysses(tmp_p
         assert g["loss"] == pytest.approx(r["loss"], rel=1e-5)
         assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-5)
     cls = HunyuanVideoTransformer3DModel
+    pr, pg = _dit_params(tmp_path / "ref", root, cls), _dit_params(tmp_path / "sp", root, cls)
+    for k in pr:
+        torch.testing.assert_close(pg[k], pr[k], rtol=1e-5, atol=1e-5, msg=k)
+
+
+@pytest.mark.parametrize("mode", ["ulysses", "ring"])
+def test_ltx_dit_split_over_two_ranks_matches_one_process(tmp_path: Path, mode: str) -> None:
+    """The LTX-Video DiT, its latent frames split over two ranks (Ulysses or ring), with the released
+    model's grid-dependent shift: each rank packs its frames, the rotary tables are the whole clip's
+    cut to its tokens and the shift is the whole grid's, so the 1-process run's losses, gradient norms
+    and parameters come out within the reassociation tolerance of the sequence-parallel tests (a
+    rank's frames at the wrong rotary positions, or a shift of its own frames, move them far more)."""
+    from mmpipe.config import StageParallelConfig
+
+    root = save_tiny_ltx_pipeline(tmp_path / "ltx", seed=0)
+    _dynamic_shift(root)
+    _run(tmp_path / "ref", root, 1, None)
+    split = {"dit": StageParallelConfig(**{mode: 2})}
+    _run(tmp_path / "sp", root, 2, {"text": [0], "vae": [0], "dit": [0, 1]}, split)
+    ref, got = read_metrics(tmp_path / "ref"), read_metrics(tmp_path / "sp")
+    assert len(got) == len(ref)
+    for r, g in zip(ref[1:], got[1:], strict=True):
+        assert g["loss"] == pytest.approx(r["loss"], rel=1e-5)
+        assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-5)
+    cls = LTXVideoTransformer3DModel
     pr, pg = _dit_params(tmp_path / "ref", root, cls), _dit_params(tmp_path / "sp", root, cls)
     for k in pr:
         torch.testing.assert_close(pg[k], pr[k], rtol=1e-5, atol=1e-5, msg=k)
