@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 
@@ -27,6 +28,7 @@ class MeshOwner:
         self.rank, self.world_size = rank, world_size
         self._dp: dict[str, DeviceMesh] = {}
         self._sequence: dict[str, DeviceMesh] = {}
+        self._ring_groups: dict[str, dist.ProcessGroup] = {}
         # Ranks that hold trainable stages report per-step metrics among themselves; ranks that
         # only run frozen producers never join a per-step collective, so they can run ahead.
         trainable = sorted({r for s, g in plan.placement if s in plan.trainable for r in g.ranks})
@@ -42,6 +44,16 @@ class MeshOwner:
                 mesh = DeviceMesh(device_type, grid, mesh_dim_names=("dp", "ring", "ulysses"))
                 if rank in group:
                     self._sequence[stage] = mesh
+                # Each ring's send / recv get a group of their own: DeviceMesh gives a dimension that
+                # spans the world the default group, whose point-to-point tags the pipeline's transfers
+                # use too, so a ring receive would match a transfer's send (a DiT ring-split over the
+                # encoders' rank and another deadlocked).
+                for replica in range(group.dp):
+                    for u in range(group.ulysses):
+                        ring_ranks = grid[replica, :, u].tolist()
+                        ring_group = dist.new_group(ring_ranks) if group.ring > 1 else None
+                        if rank in ring_ranks and ring_group is not None:
+                            self._ring_groups[stage] = ring_group
 
     @property
     def distributed(self) -> bool:
@@ -54,7 +66,8 @@ class MeshOwner:
 
     def sequence_mesh(self, stage: str, *, zigzag: bool) -> SequenceMesh:
         """This rank's sequence-parallel groups of ``stage`` (``zigzag`` for causal attention)."""
-        return SequenceMesh.from_device_mesh(self._sequence[stage], zigzag=zigzag)
+        mesh = SequenceMesh.from_device_mesh(self._sequence[stage], zigzag=zigzag)
+        return dataclasses.replace(mesh, ring_group=self._ring_groups[stage]) if stage in self._ring_groups else mesh
 
 
 def init_distributed(timeout_s: float, backend: str = "gloo", device: torch.device | None = None) -> tuple[int, int]:

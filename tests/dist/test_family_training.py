@@ -330,7 +330,9 @@ def test_ltx_dit_split_over_two_ranks_matches_one_process(tmp_path: Path, mode: 
     model's grid-dependent shift: each rank packs its frames, the rotary tables are the whole clip's
     cut to its tokens and the shift is the whole grid's, so the 1-process run's losses, gradient norms
     and parameters come out within the reassociation tolerance of the sequence-parallel tests (a
-    rank's frames at the wrong rotary positions, or a shift of its own frames, move them far more)."""
+    rank's frames at the wrong rotary positions, or a shift of its own frames, move them far more).
+    The DiT shares rank 0 with the encoders: the ring's exchanges run on a group of their own (on
+    the default group a ring receive matched the encoders' send to rank 1 and both ranks hung)."""
     from mmpipe.config import StageParallelConfig
 
     root = save_tiny_ltx_pipeline(tmp_path / "ltx", seed=0)
