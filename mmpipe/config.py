@@ -376,6 +376,7 @@ class GenerateConfig:
     ckpt: str | None = None
     pipeline: str | None = None  # a diffusers directory (Wan, HunyuanVideo, CogVideoX, LTX, Flux, ...)
     image: str | None = None  # the input image of image-to-video pipelines (a PNG / JPEG file)
+    last_image: str | None = None  # and the last frame of first-last-frame ones (Wan 2.1 FLF2V)
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA when a GPU is visible (bf16 there)
     prompt: str = "a red circle moving left"
     negative_prompt: str = ""
@@ -410,8 +411,12 @@ class GenerateConfig:
             )
         if self.ckpt and not Path(self.ckpt).is_dir():
             raise ValueError(f"ckpt={self.ckpt!r} is not a run directory")
-        if self.image is not None and not Path(self.image).is_file():
-            raise ValueError(f"image={self.image!r} is not a file")
+        for key in ("image", "last_image"):
+            value = getattr(self, key)
+            if value is not None and not Path(value).is_file():
+                raise ValueError(f"{key}={value!r} is not a file")
+        if self.last_image is not None and self.image is None:
+            raise ValueError(f"last_image={self.last_image!r} without image=FILE: give the first frame too")
         if not self.prompt.strip():
             raise ValueError("prompt must not be empty")
         _positive("generate", self, "steps", "fps")

@@ -92,6 +92,8 @@ def _checked_run(cfg: GenerateConfig) -> tuple[Path, Path]:
     model = load_run_config(run_dir).model
     root = pipeline_dir(model, run_dir)
     i2v = json.loads((root / "model_index.json").read_text()).get("_class_name") == "WanImageToVideoPipeline"
+    transformer = root / "transformer" / "config.json"
+    flf2v = i2v and json.loads(transformer.read_text()).get("pos_embed_seq_len") is not None
     if model.kind == "u2g":
         if cfg.image is None:
             raise ValueError(
@@ -107,6 +109,12 @@ def _checked_run(cfg: GenerateConfig) -> tuple[Path, Path]:
         raise ValueError(f"image={cfg.image!r}: the trained run is text-to-video; image is for image-to-video runs")
     if cfg.image is None and i2v:
         raise ValueError(f"ckpt={cfg.ckpt!r} trained WanImageToVideoPipeline: give its first frame, image=FILE")
+    if flf2v != (cfg.last_image is not None):
+        raise ValueError(
+            f"ckpt={cfg.ckpt!r} trained Wan FLF2V: give its last frame too, last_image=FILE"
+            if flf2v
+            else f"last_image={cfg.last_image!r}: the trained run is not a first-last-frame (FLF2V) one"
+        )
     return run_dir, root
 
 
@@ -126,9 +134,16 @@ def _prepare(cfg: GenerateConfig, device: DeviceType) -> tuple[Any, dict[str, An
         "num_inference_steps": cfg.steps,
         "guidance_scale": cfg.guidance,
     }
-    if cfg.image is not None:  # an image-to-video run (checked by _checked_run)
-        call["image"] = Image.open(cfg.image).convert("RGB")
+    _images(cfg, call)  # an image-to-video run's (checked by _checked_run)
     return graph, call, Path(cfg.out) if cfg.out else run_dir / "samples", True
+
+
+def _images(cfg: GenerateConfig, call: dict[str, Any]) -> None:
+    """The call's ``image`` and ``last_image`` from ``cfg``'s files, where given."""
+    for key in ("image", "last_image"):
+        path = getattr(cfg, key)
+        if path is not None:
+            call[key] = Image.open(path).convert("RGB")
 
 
 def _prepare_pipeline(cfg: GenerateConfig, device: DeviceType) -> tuple[Any, dict[str, Any], Path, bool]:
@@ -145,8 +160,7 @@ def _prepare_pipeline(cfg: GenerateConfig, device: DeviceType) -> tuple[Any, dic
     call |= {k: v for k, v in sizes.items() if v is not None}
     if not video and cfg.frames is not None:
         raise ValueError(f"frames={cfg.frames}: {graph.name} generates images")
-    if cfg.image is not None:
-        call["image"] = Image.open(cfg.image).convert("RGB")
+    _images(cfg, call)
     bind = graph.bind if isinstance(graph, PipelineGraph) else None
     if bind is not None:
         bind(**call)  # an argument the family does not take: refused before anything is written

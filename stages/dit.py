@@ -362,8 +362,9 @@ class WanI2VDiTFlowMatchingStage(WanDiTFlowMatchingStage):
     (Wan 2.1 I2V), the CLIP embeddings ``image_embeds`` ``(B, N, D)`` as
     ``encoder_hidden_states_image``: ``WanImageToVideoPipeline``'s call of its transformer. Wan 2.2
     I2V's experts take no CLIP embeddings (no ``image_embeds`` port), each training on its noise
-    range (``sigma_range``). The target is the velocity of the ``Z`` latent channels only (the
-    module's ``out_channels``). Sequence parallel, the condition is split by frames like the
+    range (``sigma_range``). Wan 2.1 FLF2V's (``pos_embed_seq_len``) takes the first and the last
+    frame's embeddings, ``(B, 2N, D)``. The target is the velocity of the ``Z`` latent channels only
+    (the module's ``out_channels``). Sequence parallel, the condition is split by frames like the
     latents (its frames are theirs).
     """
 
@@ -401,6 +402,10 @@ class WanI2VDiTFlowMatchingStage(WanDiTFlowMatchingStage):
         dtype = cast(torch.dtype, module.dtype)  # diffusers ModelMixin.dtype
         x_BCthw = torch.cat([xs_BZthw, inputs["condition"]], dim=1)  # as WanImageToVideoPipeline.__call__
         image_BND = inputs.get("image_embeds")
+        if image_BND is not None and self.source.config.pos_embed_seq_len is not None:
+            # FLF2V: the first and the last frame's tokens of a clip as two rows, as encode_image gives
+            # them for [image, last_image]; the module's image embedding views each pair as one row
+            image_BND = image_BND.reshape(-1, image_BND.shape[1] // 2, image_BND.shape[2])
         return module(
             hidden_states=x_BCthw.to(dtype),
             timestep=timestep_B,

@@ -465,7 +465,8 @@ class ImageProcessing:
 
 class CLIPImageEncoderStage(SourcedStage):
     """``video (B, 3, T, H, W) in [-1, 1] -> image_embeds (B, N, D)``: ``WanImageToVideoPipeline.
-    encode_image`` of each clip's first frame, frozen.
+    encode_image`` of each clip's first frame, frozen; with ``last_frame`` (FLF2V) of its first and
+    last frames, ``(B, 2N, D)``: the first frame's tokens then the last's.
 
     The frame becomes the 8-bit image the pipeline would be given (diffusers' ``pt_to_numpy`` then
     ``numpy_to_pil``: ``round(clamp(x / 2 + 0.5, 0, 1) * 255)``), goes through the
@@ -477,17 +478,21 @@ class CLIPImageEncoderStage(SourcedStage):
     model_cls = CLIPVisionModel
     capabilities = Capabilities(offload=True)
 
-    def __init__(self, name: str, source: ModuleSource, *, processing: ImageProcessing) -> None:
+    def __init__(
+        self, name: str, source: ModuleSource, *, processing: ImageProcessing, last_frame: bool = False
+    ) -> None:
         super().__init__(name, source, frozen=True)
         self.processing = processing
+        self.last_frame = last_frame
         cfg = source.config
         self.num_tokens = (cfg.image_size // cfg.patch_size) ** 2 + 1  # the patches and the class token
 
     @classmethod
-    def from_pipeline_dir(cls, name: str, root: Path) -> CLIPImageEncoderStage:
+    def from_pipeline_dir(cls, name: str, root: Path, *, last_frame: bool = False) -> CLIPImageEncoderStage:
         """The pipeline directory's ``image_encoder`` (loaded lazily) and ``image_processor``."""
         processor = AutoImageProcessor.from_pretrained(root / "image_processor")  # the class the pipeline loads
-        return cls.from_pretrained(name, root / "image_encoder", processing=ImageProcessing.from_processor(processor))
+        processing = ImageProcessing.from_processor(processor)
+        return cls.from_pretrained(name, root / "image_encoder", processing=processing, last_frame=last_frame)
 
     @property
     def inputs(self) -> Mapping[str, TensorSpec]:
@@ -495,12 +500,15 @@ class CLIPImageEncoderStage(SourcedStage):
 
     @property
     def outputs(self) -> Mapping[str, TensorSpec]:
-        return {"image_embeds": TensorSpec(("B", self.num_tokens, self.source.config.hidden_size))}
+        tokens = self.num_tokens * (2 if self.last_frame else 1)
+        return {"image_embeds": TensorSpec(("B", tokens, self.source.config.hidden_size))}
 
     def forward(self, module: nn.Module, inputs: Mapping[str, Any], **options: Any) -> dict[str, Any]:
-        frame_B3HW = inputs["video"][:, :, 0].float()
-        image_B3HW = ((frame_B3HW / 2 + 0.5).clamp(0, 1) * 255).round()
-        pixels_B3SS = self.processing(image_B3HW)
+        video_B3THW = inputs["video"]
+        frames = [video_B3THW[:, :, 0], video_B3THW[:, :, -1]] if self.last_frame else [video_B3THW[:, :, 0]]
+        image_F3HW = ((torch.cat(frames).float() / 2 + 0.5).clamp(0, 1) * 255).round()  # firsts, then lasts
+        pixels_F3SS = self.processing(image_F3HW)
         dtype = next(module.parameters()).dtype
-        out = module(pixel_values=pixels_B3SS.to(dtype), output_hidden_states=True)
-        return {"image_embeds": out.hidden_states[-2]}
+        hidden_FND = module(pixel_values=pixels_F3SS.to(dtype), output_hidden_states=True).hidden_states[-2]
+        # each clip's frames side by side on the token axis: (B, len(frames) * N, D)
+        return {"image_embeds": torch.cat(hidden_FND.chunk(len(frames)), dim=1)}

@@ -83,15 +83,19 @@ class WanI2VVAEEncodeStage(WanVAEEncodeStage):
     the clip's normalised latents (:class:`WanVAEEncodeStage`) and ``WanImageToVideoPipeline.
     prepare_latents``' condition for the clip's first frame: a mask of ``S`` channels (the VAE's
     temporal compression; 1 on the first latent frame, 0 after) then the normalised latents of
-    ``[frame 0, T - 1 zero frames]``.
+    ``[frame 0, T - 1 zero frames]``. ``last_frame`` (FLF2V): the condition of the first and the
+    last frame, ``[frame 0, T - 2 zero frames, frame T - 1]``, the mask also 1 where the last pixel
+    frame falls (the last channel of the last latent frame), as ``prepare_latents`` builds it with a
+    ``last_image``.
 
     One stage for both: they need the same VAE, so it is loaded once and the clip crosses one edge.
     """
 
-    def __init__(self, name: str, source: ModuleSource) -> None:
+    def __init__(self, name: str, source: ModuleSource, *, last_frame: bool = False) -> None:
         super().__init__(name, source)
         # WanImageToVideoPipeline.vae_scale_factor_temporal
         self.scale_t: int = source.config.get("scale_factor_temporal", 4)
+        self.last_frame = last_frame
 
     @property
     def outputs(self) -> Mapping[str, TensorSpec]:
@@ -103,14 +107,19 @@ class WanI2VVAEEncodeStage(WanVAEEncodeStage):
     def forward(self, module: nn.Module, inputs: Mapping[str, Any], **options: Any) -> dict[str, Any]:
         vae: Any = module
         video_B3THW = inputs["video"]
-        first_B31HW = video_B3THW[:, :, :1]
-        rest_B3THW = first_B31HW.new_zeros((*first_B31HW.shape[:2], video_B3THW.shape[2] - 1, *first_B31HW.shape[3:]))
-        z_BZthw = vae.encode(torch.cat([first_B31HW, rest_B3THW], dim=2).to(vae.dtype)).latent_dist.mode().float()
+        kept = [video_B3THW[:, :, :1], video_B3THW[:, :, -1:]] if self.last_frame else [video_B3THW[:, :, :1]]
+        zeros = video_B3THW.shape[2] - len(kept)
+        gap_B3THW = kept[0].new_zeros((*kept[0].shape[:2], zeros, *kept[0].shape[3:]))
+        condition_B3THW = torch.cat([kept[0], gap_B3THW, *kept[1:]], dim=2)
+        z_BZthw = vae.encode(condition_B3THW.to(vae.dtype)).latent_dist.mode().float()
         mean, inv_std = self._mean_std(z_BZthw)
         mask_BSthw = z_BZthw.new_zeros((z_BZthw.shape[0], self.scale_t, *z_BZthw.shape[2:]))
         # prepare_latents' mask: pixel frame 0 repeated S times, then the pixel frames grouped by S
-        # into latent frames (S channels each): ones on the first latent frame, zeros after
+        # into latent frames (S channels each): ones on the first latent frame, and with a last
+        # frame on the last channel of the last latent frame (where pixel frame T - 1 falls)
         mask_BSthw[:, :, 0] = 1
+        if self.last_frame:
+            mask_BSthw[:, -1, -1] = 1
         condition_BCthw = torch.cat([mask_BSthw, (z_BZthw - mean) * inv_std], dim=1)
         return {**super().forward(module, inputs, **options), "condition": condition_BCthw}
 

@@ -20,7 +20,8 @@ frame; Wan 2.1 I2V's::
     input.video -> vae.{latents, condition} -> dit.{latents, condition} -> dit.loss
 
 Wan 2.2 I2V's has no ``clip`` and two experts (``dit``, ``dit_2``) on the same ports; TI2V's has no
-``clip`` and no condition (its DiT keeps the latents' first frame clean). FLF2V is refused.
+``clip`` and no condition (its DiT keeps the latents' first frame clean). FLF2V's conditions on
+each clip's first and last frames.
 
 Tiny presets: the real component classes (``WanTransformer3DModel``, ``AutoencoderKLWan``,
 ``UMT5EncoderModel``, ``CLIPVisionModel`` with a ``CLIPImageProcessor``) from small configs, a
@@ -248,18 +249,18 @@ def check_i2v_training_dir(root: Path, meta: Mapping[str, Any], where: str) -> N
     """Refuse the ``WanImageToVideoPipeline`` layouts training does not cover (a ``ValueError``
     naming ``where`` and why), from ``model_index.json`` and the transformer's config only. It
     trains Wan 2.1 I2V (one transformer with CLIP image embeddings), Wan 2.2 I2V (two experts split
-    at ``boundary_ratio``, no CLIP) and Wan 2.2 TI2V (``expand_timesteps``), each clip conditioned
-    on its own first frame; not FLF2V (first and last frames)."""
+    at ``boundary_ratio``, no CLIP), Wan 2.2 TI2V (``expand_timesteps``), each clip conditioned
+    on its own first frame, and Wan 2.1 FLF2V (``pos_embed_seq_len``) on its first and last frames."""
     two = _two_experts(meta)
     if two and not (meta.get("boundary_ratio") is not None and isinstance(meta.get("transformer_2"), list)):
         raise ValueError(f"{where}: a two-expert Wan 2.2 I2V pipeline needs both transformer_2 and boundary_ratio")
     if meta.get("expand_timesteps") and two:
         raise ValueError(f"{where}: expand_timesteps=True (Wan 2.2 TI2V) with two experts is not a Wan layout")
     config = _transformer_config(root)
-    if config.get("pos_embed_seq_len") is not None:
+    if config.get("pos_embed_seq_len") is not None and config.get("image_dim") is None:
         raise ValueError(
-            f"{where}: the transformer has pos_embed_seq_len (Wan 2.1 FLF2V: first and last frames' "
-            "CLIP embeddings); training conditions on the first frame only (Wan 2.1 I2V, Wan 2.2 I2V and TI2V)"
+            f"{where}: the transformer has pos_embed_seq_len (FLF2V's first and last frames' CLIP "
+            "embeddings) but no image_dim to take them"
         )
     if config.get("image_dim") is not None:  # Wan 2.1 I2V: the CLIP stage's components
         for component in ("image_encoder", "image_processor"):
@@ -288,9 +289,11 @@ def build_wan_i2v_training_graph(pipeline_dir: str | Path, *, text_len: int) -> 
         input.video -> clip.image_embeds -> dit.image_embeds
         input.video -> vae.{latents, condition} -> dit.{latents, condition} -> dit.loss
 
-    Wan 2.2 I2V: no ``clip``; the experts ``dit`` (noise levels from ``boundary_ratio`` up) and
-    ``dit_2`` (below) take the same ports. Wan 2.2 TI2V: no ``clip``, no condition port (the DiT
-    keeps the latents' first frame clean, :class:`~mmpipe.stages.WanTI2VDiTFlowMatchingStage`).
+    Wan 2.1 FLF2V: the same stages on the first and the last frame (``clip`` embeds both, the
+    condition holds both). Wan 2.2 I2V: no ``clip``; the experts ``dit`` (noise levels from
+    ``boundary_ratio`` up) and ``dit_2`` (below) take the same ports. Wan 2.2 TI2V: no ``clip``, no
+    condition port (the DiT keeps the latents' first frame clean,
+    :class:`~mmpipe.stages.WanTI2VDiTFlowMatchingStage`).
 
     ``text_len`` (``model.text_len``) must be 512 (:data:`I2V_TEXT_LEN`) where CLIP embeddings
     share the context (Wan 2.1)."""
@@ -309,10 +312,13 @@ def build_wan_i2v_training_graph(pipeline_dir: str | Path, *, text_len: int) -> 
     g.add_input("attention_mask", TensorSpec(("B", text_len), torch.int64))
     g.add_input("video", TensorSpec(("B", 3, "T", "H", "W"), torch.float32))
     g.add_stage(build_text_stage("text", root / "text_encoder", tokenizer, max_length=text_len))
+    flf2v = _transformer_config(root).get("pos_embed_seq_len") is not None  # the first and last frames
     if "clip" in stages:
-        g.add_stage(CLIPImageEncoderStage.from_pipeline_dir("clip", root))
-    vae_cls = WanVAEEncodeStage if ti2v else WanI2VVAEEncodeStage
-    g.add_stage(vae_cls.from_pretrained("vae", root / "vae"))
+        g.add_stage(CLIPImageEncoderStage.from_pipeline_dir("clip", root, last_frame=flf2v))
+    if ti2v:
+        g.add_stage(WanVAEEncodeStage.from_pretrained("vae", root / "vae"))
+    else:
+        g.add_stage(WanI2VVAEEncodeStage.from_pretrained("vae", root / "vae", last_frame=flf2v))
     dit_cls = WanTI2VDiTFlowMatchingStage if ti2v else WanI2VDiTFlowMatchingStage
     if "dit_2" in stages:  # Wan 2.2: each expert trains on the noise range the sampler gives it
         boundary = float(meta["boundary_ratio"])

@@ -176,16 +176,6 @@ def test_pipeline_split_trains_bitwise_like_one_process_and_generates(i2v_dir: P
         generate(GenerateConfig(ckpt=str(tmp_path / "pp"), steps=2))
 
 
-def test_flf2v_is_refused_before_any_worker(tmp_path: Path) -> None:
-    root = save_tiny_wan_i2v_pipeline(tmp_path / "flf2v", variant="flf2v")
-    message = r"pos_embed_seq_len \(Wan 2.1 FLF2V"
-    with pytest.raises(ValueError, match=message):
-        check_training_pipeline_dir(root)
-    with pytest.raises(ValueError, match="model.path=.*" + message):
-        _run(tmp_path / "run", root, 2, None)
-    assert not (tmp_path / "run").exists()
-
-
 def test_a_clip_transformer_without_its_image_encoder_is_refused(i2v_dir: Path, tmp_path: Path) -> None:
     import json
     import shutil
@@ -230,12 +220,13 @@ def test_dit_split_by_ulysses_splits_the_condition_with_the_latents(i2v_dir: Pat
         torch.testing.assert_close(pg[k], pr[k], rtol=1e-5, atol=1e-5, msg=k)
 
 
-# ---- Wan 2.2: I2V (two experts, no CLIP) and TI2V (expand_timesteps) ------------------------------
+# ---- FLF2V (first and last frames), Wan 2.2 I2V (two experts, no CLIP), TI2V (expand_timesteps) -----
 
 
-@pytest.fixture(scope="module", params=["wan22", "ti2v"])
-def wan22_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_wan_i2v_pipeline(tmp_path_factory.mktemp(request.param) / "pipeline", variant=request.param)
+@pytest.fixture(scope="module", params=["flf2v", "wan22", "ti2v"])
+def variant_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+    root = save_tiny_wan_i2v_pipeline(tmp_path_factory.mktemp(request.param) / "pipeline", variant=request.param)
+    return request.param, root
 
 
 @pytest.fixture(scope="module")
@@ -250,18 +241,54 @@ def _wan22_model(root: Path) -> ModelConfig:
     return ModelConfig(path=str(root), text_len=WAN22_TEXT_LEN)
 
 
-def test_wan22_layouts_train_bitwise_split_and_generate(wan22_dir: Path, tmp_path: Path) -> None:
-    """Wan 2.2 I2V (``dit`` / ``dit_2``, the condition concatenated, no CLIP) and TI2V (one DiT, the
-    clean first frame) split text + VAE | DiT(s) over two ranks train bitwise like one process
-    (losses, gradient norms, every expert's parameters); the trained run generates from an image."""
-    model = _wan22_model(wan22_dir)
-    stages = training_stages(model)
-    two = "dit_2" in stages
-    assert stages == (("text", "vae", "dit", "dit_2") if two else ("text", "vae", "dit"))
+def test_flf2v_clip_and_condition_are_the_pipelines(tmp_path: Path) -> None:
+    """FLF2V: ``clip.image_embeds`` is ``encode_image([first, last])`` of each clip's frames (its
+    two rows side by side on the token axis) and ``vae.condition`` is ``prepare_latents``'
+    condition with ``last_image``, its mask bitwise."""
+    root = save_tiny_wan_i2v_pipeline(tmp_path / "flf2v", variant="flf2v")
+    graph = build_training_graph(_model(root), root)
+    assert tuple(graph.stages) == ("text", "clip", "vae", "dit")
+    batch = Collator(graph, root, I2V_TEXT_LEN)(
+        [{"caption": c, "video": v} for c, v in zip(PROMPTS, _clips(2), strict=True)]
+    )
+    pipe: Any = WanImageToVideoPipeline.from_pretrained(root)
+    clip, vae = graph.stages["clip"], graph.stages["vae"]
+    video = batch["video"]
+    with torch.no_grad():
+        embeds = clip.forward(clip.module, batch)["image_embeds"]
+        condition = vae.forward(vae.module, batch)["condition"]
+        for i in range(len(PROMPTS)):
+            first, last = _pil(video[i : i + 1, :, 0])[0], _pil(video[i : i + 1, :, -1])[0]
+            want = pipe.encode_image([first, last], torch.device("cpu"))  # (2, N, D): as __call__ takes it
+            torch.testing.assert_close(embeds[i], want.flatten(0, 1), rtol=0, atol=1e-6)
+            f, l = video[i : i + 1, :, 0], video[i : i + 1, :, -1]
+            want_condition = pipe.prepare_latents(f, 1, 16, 32, 32, 9, torch.float32, "cpu", None, None, l)[1]
+            assert torch.equal(condition[i : i + 1, :4], want_condition[:, :4])  # the mask: frame 0 and the last
+            torch.testing.assert_close(condition[i : i + 1], want_condition, rtol=0, atol=1e-6)
+    # the mask's last latent frame: ones on its last channel only (where pixel frame 8 of 9 falls)
+    assert torch.equal(condition[:, :4, -1, 0, 0], torch.tensor([[0.0, 0.0, 0.0, 1.0]] * 2))
 
-    _run(tmp_path / "ref", wan22_dir, 1, None, text_len=WAN22_TEXT_LEN)
-    split = {"text": [0], "vae": [0], "dit": [1], **({"dit_2": [1]} if two else {})}
-    _run(tmp_path / "pp", wan22_dir, 2, split, text_len=WAN22_TEXT_LEN)
+
+def test_i2v_variants_train_bitwise_split_and_generate(variant_dir: tuple[str, Path], tmp_path: Path) -> None:
+    """FLF2V (CLIP of the first and last frames), Wan 2.2 I2V (``dit`` / ``dit_2``, the condition
+    concatenated, no CLIP) and TI2V (one DiT, the clean first frame) split encoders | DiT(s) over two
+    ranks train bitwise like one process (losses, every stage's gradient norm, every expert's
+    parameters); the trained run generates from its frame(s) with every expert's trained weights."""
+    variant, root = variant_dir
+    text_len = I2V_TEXT_LEN if variant == "flf2v" else WAN22_TEXT_LEN
+    stages = training_stages(ModelConfig(path=str(root), text_len=text_len))
+    two = "dit_2" in stages
+    assert (
+        stages
+        == {
+            "flf2v": ("text", "clip", "vae", "dit"),
+            "wan22": ("text", "vae", "dit", "dit_2"),
+            "ti2v": ("text", "vae", "dit"),
+        }[variant]
+    )
+    _run(tmp_path / "ref", root, 1, None, text_len=text_len)
+    split = {s: [0] if s in ("text", "clip", "vae") else [1] for s in stages}
+    _run(tmp_path / "pp", root, 2, split, text_len=text_len)
     ref, got = read_metrics(tmp_path / "ref"), read_metrics(tmp_path / "pp")
     assert len(ref) == len(got) and any("loss" in r for r in ref)
     # the loss, the gradient norm of each trained stage (grad_norm/dit, grad_norm/dit_2 with two experts)
@@ -271,10 +298,8 @@ def test_wan22_layouts_train_bitwise_split_and_generate(wan22_dir: Path, tmp_pat
         assert [r.get(key) for r in got] == [r.get(key) for r in ref], key
     trained = {}
     for stage, component in (("dit", "transformer"), *((("dit_2", "transformer_2"),) if two else ())):
-        ref_w, pp_w = (
-            _dit_params(run_dir, wan22_dir, stage, component) for run_dir in (tmp_path / "ref", tmp_path / "pp")
-        )
-        initial = WanTransformer3DModel.from_pretrained(wan22_dir / component).state_dict()
+        ref_w, pp_w = (_dit_params(run_dir, root, stage, component) for run_dir in (tmp_path / "ref", tmp_path / "pp"))
+        initial = WanTransformer3DModel.from_pretrained(root / component).state_dict()
         assert all(torch.equal(ref_w[k], pp_w[k]) for k in initial), stage
         assert any(not torch.equal(initial[k], ref_w[k]) for k in initial), f"{stage} did not train"
         trained[component] = pp_w
@@ -284,9 +309,22 @@ def test_wan22_layouts_train_bitwise_split_and_generate(wan22_dir: Path, tmp_pat
     graph: Any = load_trained_graph(tmp_path / "pp")  # every expert holds its stage's trained weights
     for component, weights in trained.items():
         assert all(torch.equal(v, weights[k]) for k, v in graph.denoise.module[component].state_dict().items())
-    image = _pil(_clips(1)[:, :, 0])[0]
+    frames = _pil(torch.cat([_clips(1)[:, :, 0], _clips(1)[:, :, -1]]))
+    images = {"image": frames[0]} | ({"last_image": frames[1]} if variant == "flf2v" else {})
     kw = dict(height=32, width=32, num_frames=9, num_inference_steps=2, seed=0, output_type="np", progress=False)
-    assert graph.generate(image=image, prompt="a red circle moving left", **kw).shape == (1, 9, 32, 32, 3)
+    assert graph.generate(prompt="a red circle moving left", **images, **kw).shape == (1, 9, 32, 32, 3)
+    if variant == "flf2v":  # mmpipe generate takes both frames, and refuses the run without the last
+        from mmpipe.generate import generate
+
+        frames[0].save(tmp_path / "first.png")
+        frames[1].save(tmp_path / "last.png")
+        files = {"ckpt": str(tmp_path / "pp"), "steps": 2, "out": str(tmp_path / "samples")}
+        written = generate(
+            GenerateConfig(image=str(tmp_path / "first.png"), last_image=str(tmp_path / "last.png"), **files)
+        )
+        assert written["gif"].is_file()
+        with pytest.raises(ValueError, match="trained Wan FLF2V: give its last frame too, last_image=FILE"):
+            generate(GenerateConfig(image=str(tmp_path / "first.png"), **files))
 
 
 def test_ti2v_objective_keeps_the_first_frame_clean(ti2v_dir: Path) -> None:
