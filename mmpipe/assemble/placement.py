@@ -101,8 +101,8 @@ def check_stage_support(graph: Graph, placement: dict[str, DeviceGroup], cfg: Ru
                 f"placement.{stage}: offload={group.offload}, but stage {stage!r} cannot offload activations"
             )
     choice = kernel_choice(cfg)
-    for stage in graph.stages.values():  # model.kernels: DiT kernels, on the DiTs they are written for
-        check_kernels = getattr(stage, "check_kernels", None)
+    for st in graph.stages.values():  # model.kernels: DiT kernels, on the DiTs they are written for
+        check_kernels = getattr(st, "check_kernels", None)
         if check_kernels is not None:
             check_kernels(choice)
     check_frames(placement, cfg)
