@@ -21,7 +21,9 @@ and settings on every side (``--requests`` requests, 32 by default):
 Throughput is requests over the wall time of the timed requests (after one warm-up request or batch
 a side). ``throughput_vs_best_baseline`` is mmpipe's over the best of the three baselines. Latency
 is what a client sees, from ``videos.create`` to the completed status (diffusers: the call; batched:
-the call that held the request); ``p50_ratio`` is mmpipe's p50 under load over one unloaded
+the call that held the request); ``cpu_s_per_request``: the CPU seconds a timed mmpipe request
+took in the clients' process and in the server's process tree (workers included), beside the
+cores x wall seconds it had; ``p50_ratio`` is mmpipe's p50 under load over one unloaded
 request through the same server (median of ``--unloaded`` requests sent alone). ``outputs_equal``:
 every served video's frames (uint8, before MP4 encoding) bitwise equal to sequential diffusers' for
 the same seed (``batched_outputs_equal``, ``processes_outputs_equal``: the same for those
@@ -200,7 +202,7 @@ def serving_process(cfg: ServeConfig) -> Iterator[tuple[Any, Any]]:
     try:
         if not here.poll(600):
             raise RuntimeError("the mmpipe server did not start within 600 s")
-        yield openai.OpenAI(base_url=here.recv(), api_key="unused", max_retries=0), here
+        yield openai.OpenAI(base_url=here.recv(), api_key="unused", max_retries=0), here, proc.pid
     finally:
         proc.join(60)
         if proc.is_alive():
@@ -255,6 +257,19 @@ def run_clients(one: Callable[[int], Any], requests: int, clients: int, results:
     return time.perf_counter() - start
 
 
+def _tree_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` and its live descendants."""
+    import psutil
+
+    root = psutil.Process(pid)
+    total = 0.0
+    for proc in [root, *root.children(recursive=True)]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            times = proc.cpu_times()
+            total += times.user + times.system
+    return total
+
+
 def run_mmpipe(path: Path, args: argparse.Namespace, seeds: list[int], run_dir: Path) -> dict[str, Any]:
     cfg = ServeConfig(
         pipeline=str(path),
@@ -269,7 +284,7 @@ def run_mmpipe(path: Path, args: argparse.Namespace, seeds: list[int], run_dir: 
         steps=args.steps,
         guidance=args.guidance,
     )
-    with serving_process(cfg) as (client, server):
+    with serving_process(cfg) as (client, server, server_pid):
 
         def one(i: int) -> tuple[float, str]:
             return request_video(client, cfg.model_name, PROMPTS[i % len(PROMPTS)], seeds[i], args)
@@ -277,7 +292,11 @@ def run_mmpipe(path: Path, args: argparse.Namespace, seeds: list[int], run_dir: 
         one(0)  # warm-up
         unloaded = [one(i)[0] for i in range(args.unloaded)]
         results: dict[int, tuple[float, str]] = {}
+        # CPU seconds of the timed requests: the clients (this process, every thread) and the server
+        # with its worker groups (its process tree), to show where the 2 cores went
+        clients_cpu, serving_cpu = time.process_time(), _tree_cpu_s(server_pid)
         total = run_clients(one, args.requests, args.clients, results)
+        clients_cpu, serving_cpu = time.process_time() - clients_cpu, _tree_cpu_s(server_pid) - serving_cpu
         server.send([results[i][1] for i in range(args.requests)])
         if not server.poll(600):
             raise RuntimeError("the mmpipe server did not return the served frames within 600 s")
@@ -287,6 +306,8 @@ def run_mmpipe(path: Path, args: argparse.Namespace, seeds: list[int], run_dir: 
         "latencies": [results[i][0] for i in range(args.requests)],
         "unloaded": unloaded,
         "total": total,
+        "clients_cpu_s": clients_cpu,
+        "serving_cpu_s": serving_cpu,
         "frames": frames,
         "placement": placement,
     }
@@ -359,6 +380,12 @@ def main() -> None:
         "p99_s": round(p99, 4),
         "unloaded_s": round(unloaded, 4),
         "p50_ratio": round(p50 / unloaded, 3),
+        # where the cores went while mmpipe served the timed requests: CPU seconds a request
+        "cpu_s_per_request": {
+            "clients": round(ours["clients_cpu_s"] / args.requests, 4),
+            "server_and_workers": round(ours["serving_cpu_s"] / args.requests, 4),
+            "cores_x_wall": round((os.cpu_count() or 1) * ours["total"] / args.requests, 4),
+        },
         "outputs_equal": same(ours["frames"]),
         "batched_outputs_equal": same(sides["diffusers_batched"]["frames"]),
         "processes_outputs_equal": same(sides["diffusers_2_processes"]["frames"]),

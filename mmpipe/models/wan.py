@@ -630,9 +630,9 @@ def check_pipeline_dir(
         raise ValueError(f"{where}: a two-expert Wan 2.2 pipeline needs both transformer_2 and boundary_ratio")
     if meta.get("expand_timesteps") and name == "WanPipeline":
         raise ValueError(
-            f"{where}: WanPipeline with expand_timesteps=True (Wan 2.2 TI2V) is not supported by training and "
-            "serving yet; mmpipe.from_diffusers and mmpipe generate pipeline=DIR run it (and training takes "
-            "its WanImageToVideoPipeline layout)"
+            f"{where}: WanPipeline with expand_timesteps=True (Wan 2.2 TI2V) is not trained from a WanPipeline "
+            "directory (training takes its WanImageToVideoPipeline layout: image-to-video); mmpipe.from_diffusers, "
+            "mmpipe generate pipeline=DIR and mmpipe serve pipeline=DIR run it"
         )
     for component in (*supported[str(name)], *(("transformer_2",) if two_expert else ())):
         entry = meta.get(component)

@@ -22,6 +22,7 @@ from mmpipe.config import ServeConfig
 from mmpipe.data import frames_to_uint8
 from mmpipe.models.loading import from_diffusers
 from mmpipe.serve.engine import Engine
+from tests.families.conftest import save_tiny_wan22
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "serve"))
 from serve_doubles import running_server  # noqa: E402
@@ -48,6 +49,20 @@ def served(wan22_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 def test_two_expert_video_equals_offline_generate(served: tuple[Engine, str], wan22_dir: Path) -> None:
     engine, url = served
     assert engine.family == "WanPipeline" and engine.cfg.placement == {s: [0, 1] for s in ("text", "denoise", "decode")}
+    _video_equals_offline_generate(engine, url, wan22_dir)
+
+
+def test_ti2v_video_equals_offline_generate(tmp_path: Path) -> None:
+    """Wan 2.2 TI2V as diffusers ships it (``WanPipeline`` with ``expand_timesteps``: text-to-video,
+    one timestep per token), served whole-request."""
+    path = save_tiny_wan22(tmp_path / "ti2v", expand_timesteps=True)
+    one_group = {s: [0] for s in ("text", "denoise", "decode")}
+    with Engine(serve_config(path, tmp_path / "run", placement=one_group)) as engine, running_server(engine) as url:
+        assert engine.family == "WanPipeline"
+        _video_equals_offline_generate(engine, url, path)
+
+
+def _video_equals_offline_generate(engine: Engine, url: str, path: Path) -> None:
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
     extra = {"seed": 5, "negative_prompt": "blurry static", "guidance": 4.0, "frames": 9}
     video = client.videos.create(prompt="a red circle moving left", size="48x32", extra_body=extra)  # type: ignore[arg-type]
@@ -55,7 +70,7 @@ def test_two_expert_video_equals_offline_generate(served: tuple[Engine, str], wa
     assert (done.status, done.error) == ("completed", None)
     job = engine.get(video.id)
     assert job is not None and job.frames is not None
-    offline = from_diffusers(wan22_dir).generate(
+    offline = from_diffusers(path).generate(
         prompt="a red circle moving left",
         negative_prompt="blurry static",
         height=32,
