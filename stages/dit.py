@@ -191,6 +191,25 @@ class FlowMatchingDiTStage(SourcedStage):
     ) -> dict[str, Any]:
         x0_BZthw, context_BLD = inputs["latents"], inputs["context"]
         frames = self.shard_frames(shards)
+        noise_BZthw, sigma_B, xs_BZthw = self.noised(x0_BZthw, seed=seed, rows=rows, frames=frames)
+        timestep_B = sigma_B * self.num_train_timesteps
+        pred_BZthw = self.predict_frames(module, xs_BZthw, timestep_B, context_BLD, inputs, frames)
+        if frames is None:
+            return {"loss": F.mse_loss(pred_BZthw.float(), (noise_BZthw - x0_BZthw).float())}
+        # This rank's share of the mean over all frames: the shares of a replica sum to its loss.
+        whole = x0_BZthw.numel() // x0_BZthw.shape[2] * frames[2]
+        return {"loss": (pred_BZthw.float() - (noise_BZthw - x0_BZthw).float()).square().sum() / whole}
+
+    def noised(
+        self,
+        x0_BZthw: torch.Tensor,
+        *,
+        seed: int,
+        rows: tuple[int, int, int] | None,
+        frames: tuple[int, int, int] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(noise, sigma_B, x_s)``: the micro-batch's draw (:func:`sample_flow_matching`, shifted for
+        the whole clip's grid) and the latents noised to ``sigma``."""
         noise_BZthw, sigma_B = sample_flow_matching(
             x0_BZthw,
             seed=seed,
@@ -200,18 +219,25 @@ class FlowMatchingDiTStage(SourcedStage):
             sigma_range=self.sigma_range,
         )
         s_B11111 = sigma_B.view(-1, 1, 1, 1, 1)
-        xs_BZthw = (1 - s_B11111) * x0_BZthw + s_B11111 * noise_BZthw
-        timestep_B = sigma_B * self.num_train_timesteps
+        return noise_BZthw, sigma_B, (1 - s_B11111) * x0_BZthw + s_B11111 * noise_BZthw
+
+    def predict_frames(
+        self,
+        module: nn.Module,
+        xs_BZthw: torch.Tensor,
+        timestep: torch.Tensor,
+        context_BLD: torch.Tensor,
+        inputs: Mapping[str, Any],
+        frames: tuple[int, int, int] | None,
+    ) -> torch.Tensor:
+        """:meth:`predict`; on a sequence-parallel shard (``frames``), with attention over the whole
+        clip's tokens."""
         if frames is None:
-            pred_BZthw = self.predict(module, xs_BZthw, timestep_B, context_BLD, inputs)
-            return {"loss": F.mse_loss(pred_BZthw.float(), (noise_BZthw - x0_BZthw).float())}
-        per_frame = self.tokens_per_frame(x0_BZthw)
+            return self.predict(module, xs_BZthw, timestep, context_BLD, inputs)
+        per_frame = self.tokens_per_frame(xs_BZthw)
         assert self._sequence is not None, "shards are only passed to a stage made sequence parallel"
         with self._sequence.tokens(frames[2] * per_frame, unit=per_frame):
-            pred_BZthw = self.predict(module, xs_BZthw, timestep_B, context_BLD, inputs)
-        # This rank's share of the mean over all frames: the shares of a replica sum to its loss.
-        whole = x0_BZthw.numel() // x0_BZthw.shape[2] * frames[2]
-        return {"loss": (pred_BZthw.float() - (noise_BZthw - x0_BZthw).float()).square().sum() / whole}
+            return self.predict(module, xs_BZthw, timestep, context_BLD, inputs)
 
     def shard_frames(self, shards: Mapping[str, Region] | None) -> tuple[int, int, int] | None:
         """``(start, stop, total)``: the latent frames this sequence-parallel rank holds (``None``:
@@ -444,16 +470,7 @@ class WanTI2VDiTFlowMatchingStage(WanDiTFlowMatchingStage):
                 f"stage {self.name!r}: TI2V training conditions on the first latent frame and needs at least "
                 f"2 latent frames, got {total} (raise data.frames)"
             )
-        noise_BZthw, sigma_B = sample_flow_matching(
-            x0_BZthw,
-            seed=seed,
-            shift=self.flow_shift(self.latent_grid(x0_BZthw, frames)),
-            rows=rows,
-            frames=frames,
-            sigma_range=self.sigma_range,
-        )
-        s_B11111 = sigma_B.view(-1, 1, 1, 1, 1)
-        xs_BZthw = (1 - s_B11111) * x0_BZthw + s_B11111 * noise_BZthw
+        noise_BZthw, sigma_B, xs_BZthw = self.noised(x0_BZthw, seed=seed, rows=rows, frames=frames)
         per_frame = self.tokens_per_frame(x0_BZthw)
         # the pipeline's (mask * t).flatten(): a timestep per token, 0 on the image's frame
         timestep_BN = (sigma_B * self.num_train_timesteps)[:, None].repeat(1, (stop - start) * per_frame)
@@ -461,12 +478,7 @@ class WanTI2VDiTFlowMatchingStage(WanDiTFlowMatchingStage):
         if first:
             xs_BZthw = torch.cat([x0_BZthw[:, :, :1], xs_BZthw[:, :, 1:]], dim=2)
             timestep_BN[:, :per_frame] = 0
-        if frames is None:
-            pred_BZthw = self.predict(module, xs_BZthw, timestep_BN, context_BLD, inputs)
-        else:
-            assert self._sequence is not None, "shards are only passed to a stage made sequence parallel"
-            with self._sequence.tokens(total * per_frame, unit=per_frame):
-                pred_BZthw = self.predict(module, xs_BZthw, timestep_BN, context_BLD, inputs)
+        pred_BZthw = self.predict_frames(module, xs_BZthw, timestep_BN, context_BLD, inputs, frames)
         err_BZthw = (pred_BZthw.float() - (noise_BZthw - x0_BZthw).float()).square()[:, :, first:]
         # this rank's share of the mean over the noised frames of the whole clip
         return {"loss": err_BZthw.sum() / (x0_BZthw.numel() // x0_BZthw.shape[2] * (total - 1))}

@@ -678,12 +678,13 @@ def t2v_training_stages(model: ModelConfig) -> tuple[str, ...]:
         return T2V_TWO_EXPERT_STAGES
     if model.path is not None and (Path(model.path) / "model_index.json").is_file():
         meta = json.loads((Path(model.path) / "model_index.json").read_text())
-        if _two_experts(meta):
+        if two_experts(meta):
             return T2V_TWO_EXPERT_STAGES
     return T2V_TRAIN_STAGES
 
 
-def _two_experts(meta: Mapping[str, Any]) -> bool:
+def two_experts(meta: Mapping[str, Any]) -> bool:
+    """Whether ``model_index.json`` (``meta``) names Wan 2.2's second expert and its boundary."""
     second = meta.get("transformer_2")
     return isinstance(second, list | tuple) and any(second) and meta.get("boundary_ratio") is not None
 
@@ -710,7 +711,7 @@ def build_t2v_training_graph(pipeline_dir: str | Path, *, text_len: int) -> Grap
     g.add_stage(build_text_stage("text", root / "text_encoder", tokenizer, max_length=text_len))
     g.add_stage(WanVAEEncodeStage.from_pretrained("vae", root / "vae"))
     meta = json.loads((root / "model_index.json").read_text())
-    if _two_experts(meta):  # Wan 2.2: each expert trains on the noise range the sampler gives it
+    if two_experts(meta):  # Wan 2.2: each expert trains on the noise range the sampler gives it
         boundary = float(meta["boundary_ratio"])
         g.add_stage(
             WanDiTFlowMatchingStage.from_pretrained(

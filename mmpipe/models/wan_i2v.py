@@ -53,6 +53,7 @@ from mmpipe.models.wan import (
     build_text_stage,
     build_word_tokenizer,
     flow_shift_of,
+    two_experts,
 )
 from mmpipe.stages import (
     CLIPImageEncoderStage,
@@ -240,21 +241,14 @@ def _transformer_config(root: Path, component: str = "transformer") -> dict[str,
     return cast(dict[str, Any], json.loads(config.read_text())) if config.is_file() else {}
 
 
-def _two_experts(meta: Mapping[str, Any]) -> bool:
-    second = meta.get("transformer_2")
-    return (isinstance(second, list) and any(second)) or meta.get("boundary_ratio") is not None
-
-
 def check_i2v_training_dir(root: Path, meta: Mapping[str, Any], where: str) -> None:
     """Refuse the ``WanImageToVideoPipeline`` layouts training does not cover (a ``ValueError``
     naming ``where`` and why), from ``model_index.json`` and the transformer's config only. It
     trains Wan 2.1 I2V (one transformer with CLIP image embeddings), Wan 2.2 I2V (two experts split
     at ``boundary_ratio``, no CLIP), Wan 2.2 TI2V (``expand_timesteps``), each clip conditioned
     on its own first frame, and Wan 2.1 FLF2V (``pos_embed_seq_len``) on its first and last frames."""
-    two = _two_experts(meta)
-    if two and not (meta.get("boundary_ratio") is not None and isinstance(meta.get("transformer_2"), list)):
-        raise ValueError(f"{where}: a two-expert Wan 2.2 I2V pipeline needs both transformer_2 and boundary_ratio")
-    if meta.get("expand_timesteps") and two:
+    # (check_pipeline_dir refuses a transformer_2 without a boundary_ratio, and the reverse)
+    if meta.get("expand_timesteps") and two_experts(meta):
         raise ValueError(f"{where}: expand_timesteps=True (Wan 2.2 TI2V) with two experts is not a Wan layout")
     config = _transformer_config(root)
     if config.get("pos_embed_seq_len") is not None and config.get("image_dim") is None:
@@ -278,7 +272,7 @@ def wan_i2v_training_stages(root: Path) -> tuple[str, ...]:
     where the transformer takes CLIP embeddings (Wan 2.1), ``dit_2`` for Wan 2.2's second expert."""
     meta = json.loads((root / "model_index.json").read_text())
     clip = ("clip",) if _transformer_config(root).get("image_dim") is not None else ()
-    return ("text", *clip, "vae", "dit", *(("dit_2",) if _two_experts(meta) else ()))
+    return ("text", *clip, "vae", "dit", *(("dit_2",) if two_experts(meta) else ()))
 
 
 def build_wan_i2v_training_graph(pipeline_dir: str | Path, *, text_len: int) -> Graph:

@@ -307,18 +307,23 @@ def test_hunyuan_dit_with_the_real_mask_and_pooled_vector_split_by_ulysses(tmp_p
     Ulysses-split over two ranks: joint sequence-parallel attention over the video tokens and the
     masked text matches the 1-process run within the reassociation tolerance of the
     sequence-parallel tests (a lost shard or a wrong mask moves the loss by far more)."""
+    root = save_tiny_hunyuan_pipeline(tmp_path / "hunyuan", seed=0)
+    _assert_split_dit_matches_one_process(tmp_path, root, HunyuanVideoTransformer3DModel, ulysses=2)
+
+
+def _assert_split_dit_matches_one_process(tmp_path: Path, root: Path, cls: Any, **split: int) -> None:
+    """Encoders on rank 0, the DiT split (``split``: ``ulysses=2`` or ``ring=2``) over ranks 0 and 1,
+    against one process: losses and gradient norms within rel 1e-5, every DiT parameter within
+    1e-5 (the reassociation tolerance of the sequence-parallel tests)."""
     from mmpipe.config import StageParallelConfig
 
-    root = save_tiny_hunyuan_pipeline(tmp_path / "hunyuan", seed=0)
     _run(tmp_path / "ref", root, 1, None)
-    split = {"dit": StageParallelConfig(ulysses=2)}
-    _run(tmp_path / "sp", root, 2, {"text": [0], "vae": [0], "dit": [0, 1]}, split)
+    _run(tmp_path / "sp", root, 2, {"text": [0], "vae": [0], "dit": [0, 1]}, {"dit": StageParallelConfig(**split)})
     ref, got = read_metrics(tmp_path / "ref"), read_metrics(tmp_path / "sp")
     assert len(got) == len(ref)
     for r, g in zip(ref[1:], got[1:], strict=True):
         assert g["loss"] == pytest.approx(r["loss"], rel=1e-5)
         assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-5)
-    cls = HunyuanVideoTransformer3DModel
     pr, pg = _dit_params(tmp_path / "ref", root, cls), _dit_params(tmp_path / "sp", root, cls)
     for k in pr:
         torch.testing.assert_close(pg[k], pr[k], rtol=1e-5, atol=1e-5, msg=k)
@@ -333,22 +338,9 @@ def test_ltx_dit_split_over_two_ranks_matches_one_process(tmp_path: Path, mode: 
     rank's frames at the wrong rotary positions, or a shift of its own frames, move them far more).
     The DiT shares rank 0 with the encoders: the ring's exchanges run on a group of their own (on
     the default group a ring receive matched the encoders' send to rank 1 and both ranks hung)."""
-    from mmpipe.config import StageParallelConfig
-
     root = save_tiny_ltx_pipeline(tmp_path / "ltx", seed=0)
     _dynamic_shift(root)
-    _run(tmp_path / "ref", root, 1, None)
-    split = {"dit": StageParallelConfig(**{mode: 2})}
-    _run(tmp_path / "sp", root, 2, {"text": [0], "vae": [0], "dit": [0, 1]}, split)
-    ref, got = read_metrics(tmp_path / "ref"), read_metrics(tmp_path / "sp")
-    assert len(got) == len(ref)
-    for r, g in zip(ref[1:], got[1:], strict=True):
-        assert g["loss"] == pytest.approx(r["loss"], rel=1e-5)
-        assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-5)
-    cls = LTXVideoTransformer3DModel
-    pr, pg = _dit_params(tmp_path / "ref", root, cls), _dit_params(tmp_path / "sp", root, cls)
-    for k in pr:
-        torch.testing.assert_close(pg[k], pr[k], rtol=1e-5, atol=1e-5, msg=k)
+    _assert_split_dit_matches_one_process(tmp_path, root, LTXVideoTransformer3DModel, **{mode: 2})
 
 
 @pytest.mark.parametrize("policy", ["recompute", "offload"])

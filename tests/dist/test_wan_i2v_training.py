@@ -203,19 +203,26 @@ def test_dit_split_by_ulysses_splits_the_condition_with_the_latents(i2v_dir: Pat
     condition, matches the 1-process run within the reassociation tolerance of the sequence-parallel
     tests (a condition not split with the latents fails to run: the channel concatenation needs
     the same frames)."""
-    from mmpipe.config import StageParallelConfig
-
     dit = build_training_graph(_model(i2v_dir), i2v_dir).stages["dit"]
     assert dict(dit.sequence_inputs) == {"latents": 2, "condition": 2}
-    _run(tmp_path / "ref", i2v_dir, 1, None)
-    split = {"dit": StageParallelConfig(ulysses=2)}
-    _run(tmp_path / "sp", i2v_dir, 2, {"text": [0], "clip": [0], "vae": [0], "dit": [0, 1]}, split)
+    _assert_ulysses_matches_one_process(tmp_path, i2v_dir, I2V_TEXT_LEN)
+
+
+def _assert_ulysses_matches_one_process(tmp_path: Path, root: Path, text_len: int) -> None:
+    """The encoders on rank 0, the DiT Ulysses-split over ranks 0 and 1, against one process: losses
+    and gradient norms within rel 1e-5, the DiT's parameters within 1e-5."""
+    from mmpipe.config import StageParallelConfig
+
+    _run(tmp_path / "ref", root, 1, None, text_len=text_len)
+    stages = training_stages(ModelConfig(path=str(root), text_len=text_len))
+    placement = {s: [0, 1] if s == "dit" else [0] for s in stages}
+    _run(tmp_path / "sp", root, 2, placement, {"dit": StageParallelConfig(ulysses=2)}, text_len=text_len)
     ref, got = read_metrics(tmp_path / "ref"), read_metrics(tmp_path / "sp")
     assert len(got) == len(ref)
     for r, g in zip(ref[1:], got[1:], strict=True):
         assert g["loss"] == pytest.approx(r["loss"], rel=1e-5)
         assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-5)
-    pr, pg = _dit_params(tmp_path / "ref", i2v_dir), _dit_params(tmp_path / "sp", i2v_dir)
+    pr, pg = _dit_params(tmp_path / "ref", root), _dit_params(tmp_path / "sp", root)
     for k in pr:
         torch.testing.assert_close(pg[k], pr[k], rtol=1e-5, atol=1e-5, msg=k)
 
@@ -366,16 +373,4 @@ def test_ti2v_ulysses_split_matches_one_process(ti2v_dir: Path, tmp_path: Path) 
     rank 0, one on rank 1), each rank's per-token timesteps its own tokens', the first frame out of
     rank 0's share of the loss: the 1-process run's losses, gradient norms and parameters within the
     reassociation tolerance of the sequence-parallel tests."""
-    from mmpipe.config import StageParallelConfig
-
-    _run(tmp_path / "ref", ti2v_dir, 1, None, text_len=WAN22_TEXT_LEN)
-    split = {"dit": StageParallelConfig(ulysses=2)}
-    _run(tmp_path / "sp", ti2v_dir, 2, {"text": [0], "vae": [0], "dit": [0, 1]}, split, text_len=WAN22_TEXT_LEN)
-    ref, got = read_metrics(tmp_path / "ref"), read_metrics(tmp_path / "sp")
-    assert len(got) == len(ref)
-    for r, g in zip(ref[1:], got[1:], strict=True):
-        assert g["loss"] == pytest.approx(r["loss"], rel=1e-5)
-        assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-5)
-    pr, pg = _dit_params(tmp_path / "ref", ti2v_dir), _dit_params(tmp_path / "sp", ti2v_dir)
-    for k in pr:
-        torch.testing.assert_close(pg[k], pr[k], rtol=1e-5, atol=1e-5, msg=k)
+    _assert_ulysses_matches_one_process(tmp_path, ti2v_dir, WAN22_TEXT_LEN)
