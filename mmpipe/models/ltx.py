@@ -48,7 +48,9 @@ from transformers import AutoTokenizer, T5Config, T5EncoderModel
 from mmpipe.graph import Graph, TensorSpec
 from mmpipe.models.pipeline_graph import Family, prompt_list
 from mmpipe.models.wan import TINY_TEXTS, build_word_tokenizer, flow_shift_of
+from mmpipe.parallel.modules import SequenceState
 from mmpipe.stages import LTXDiTFlowMatchingStage, LTXT5TextEncoderStage, LTXVAEEncodeStage
+from mmpipe.stages.dit import ltx_sequence_hooks
 
 
 class LTXFamily(Family):
@@ -67,6 +69,27 @@ class LTXFamily(Family):
     pipeline_cls = LTXPipeline
     condition_ports = ("prompt_embeds", "prompt_attention_mask")
     decode_ports = ("decode_noise",)
+
+    @classmethod
+    def sequence_parallel(cls, pipeline_config: Mapping[str, Any]) -> str | None:
+        return None
+
+    def apply_sequence_hooks(self, model: nn.Module, state: SequenceState) -> None:
+        ltx_sequence_hooks(model, state)
+
+    def _pack(self, latents_BCthw: torch.Tensor) -> torch.Tensor:
+        p = self.pipe
+        return cast(
+            torch.Tensor,
+            p._pack_latents(latents_BCthw, p.transformer_spatial_patch_size, p.transformer_temporal_patch_size),
+        )
+
+    def _unpack(self, latents_BSD: torch.Tensor, size: tuple[int, int, int]) -> torch.Tensor:
+        p = self.pipe
+        return cast(
+            torch.Tensor,
+            p._unpack_latents(latents_BSD, *size, p.transformer_spatial_patch_size, p.transformer_temporal_patch_size),
+        )
 
     def prepare_call(self, call: dict[str, Any]) -> dict[str, Any]:
         # The pipeline rounds nothing: height / width not divisible by 32 are refused here, and the
@@ -135,7 +158,11 @@ class LTXFamily(Family):
             noise = randn_tensor(shape, generator=generator, device=device, dtype=dtype)
         spatial = p.vae_spatial_compression_ratio
         rope = (p.vae_temporal_compression_ratio / call["frame_rate"], spatial, spatial)
-        return latents, {"latent_size": size, "rope_interpolation_scale": rope, "decode_noise": noise}
+        # The loop keeps them unpacked (B, C, t, h, w), so a sequence-parallel rank takes whole latent
+        # frames as every family's does; packing is a permutation, and the scheduler's step is
+        # elementwise, so the values are the pipeline's bit for bit (finish packs them back).
+        state = {"latent_size": size, "rope_interpolation_scale": rope, "decode_noise": noise}
+        return self._unpack(latents, size), state
 
     def set_timesteps(
         self, scheduler: Any, call: Mapping[str, Any], latents: torch.Tensor, state: dict[str, Any]
@@ -163,11 +190,13 @@ class LTXFamily(Family):
         call: Mapping[str, Any],
         state: dict[str, Any],
     ) -> torch.Tensor:
+        # the whole clip's grid: a sequence-parallel rank's latents hold some of its frames, and the
+        # rotary tables the module computes for the grid are cut to them (ltx_sequence_hooks)
         frames, height, width = state["latent_size"]
         embeds = cond["prompt_embeds"]
         # two calls where the pipeline makes one ("cond_uncond"): one cache context per branch
         pred: torch.Tensor = model(
-            hidden_states=latents.to(embeds.dtype),
+            hidden_states=self._pack(latents).to(embeds.dtype),
             encoder_hidden_states=embeds,
             timestep=t.expand(latents.shape[0]),
             encoder_attention_mask=cond["prompt_attention_mask"],
@@ -178,7 +207,7 @@ class LTXFamily(Family):
             attention_kwargs=call["attention_kwargs"],
             return_dict=False,
         )[0]
-        return pred.float()
+        return self._unpack(pred.float(), (latents.shape[2], height, width))
 
     def guide(
         self,
@@ -189,9 +218,15 @@ class LTXFamily(Family):
         state: dict[str, Any],
     ) -> torch.Tensor:
         guided = pred_uncond + scale * (pred - pred_uncond)
-        if call["guidance_rescale"] > 0:
-            guided = rescale_noise_cfg(guided, pred, guidance_rescale=call["guidance_rescale"])
+        if call["guidance_rescale"] > 0:  # its standard deviations reduce the packed tensors, as the pipeline's
+            size = state["latent_size"]
+            packed = rescale_noise_cfg(self._pack(guided), self._pack(pred), guidance_rescale=call["guidance_rescale"])
+            guided = self._unpack(packed, size)
         return guided
+
+    def finish(self, latents: torch.Tensor, call: Mapping[str, Any], state: dict[str, Any]) -> torch.Tensor:
+        """The latents packed, as ``__call__`` returns them (``output_type="latent"``) and decodes them."""
+        return self._pack(latents)
 
     def decode(
         self, latents: torch.Tensor, call: Mapping[str, Any], extras: Mapping[str, torch.Tensor]

@@ -65,6 +65,13 @@ CASES = [
     # packed (B, S, C) latents: CFG rows exchange whole predictions
     ("flux", DenoiseLayout(cfg=2), dict(IMAGE, num_inference_steps=3, true_cfg_scale=3.0)),
     ("ltx", DenoiseLayout(cfg=2), dict(VIDEO, width=64, num_inference_steps=3, guidance_scale=3.0)),
+    # the loop's latents unpacked, each rank packing its frames; the rotary tables of the whole grid, cut
+    ("ltx", DenoiseLayout(ulysses=2), dict(VIDEO, width=64, num_inference_steps=3, guidance_scale=3.0)),
+    (
+        "ltx",
+        DenoiseLayout(ring=2),
+        dict(VIDEO, width=64, num_inference_steps=3, guidance_scale=3.0, guidance_rescale=0.7),
+    ),
 ]
 
 
@@ -79,6 +86,8 @@ CASES = [
         "hunyuan-ulysses2-truecfg",
         "flux-cfg2-truecfg",
         "ltx-cfg2",
+        "ltx-ulysses2",
+        "ltx-ring2-rescale",
     ],
 )
 def test_family_parallel_matches_one_process(
