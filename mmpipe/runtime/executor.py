@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd.profiler import record_function
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.utils._pytree import tree_map_only
 
 from mmpipe.devices import Precision, autocast
 from mmpipe.errors import ExecutionError, NonFiniteError, PlanError
@@ -49,6 +50,14 @@ OptionsFn = Callable[[str, int, tuple[int, int, int]], dict[str, Any]]  # stage,
 # micro-batch index -> per row, the key of each graph input (what it is a function of: the
 # frozen-output cache keys a stage's row by the keys of the inputs it depends on)
 KeysFn = Callable[[int], Sequence[Mapping[str, Hashable]]]
+
+
+def own_outputs(module: nn.Module, args: Any, output: Any) -> Any:
+    """A forward hook: the module's output tensors that are views (diffusers' DiTs unpatchify with
+    ``reshape`` / ``permute``) become tensors of their own. FSDP2 warns on every forward of a root
+    module that returns a view, since an in-place op on it would skip the pre-backward all-gather;
+    a copy (the size of the latents, values and gradients unchanged) cannot be caught that way."""
+    return tree_map_only(torch.Tensor, lambda t: t.clone() if t._is_view() else t, output)
 
 
 class Executor:
@@ -136,6 +145,7 @@ class Executor:
             # seeds each rank's backward (group size) times its share so that the average is the sum.
             # gather_once: keep the gathered parameters from the step's first forward to its last
             # backward (set in _backward), trading their memory for one all-gather per step.
+            module.register_forward_hook(own_outputs)  # before fully_shard's: its post-forward sees the copies
             fully_shard(
                 module, mesh=mesh, reshard_after_forward=not group.gather_once, mp_policy=self._mixed_precision()
             )

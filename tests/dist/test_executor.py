@@ -176,3 +176,48 @@ def test_a_missing_peer_becomes_an_error_with_the_plan_table() -> None:
     text = messages[1]
     assert "rank 1 failed at step 0 (enc->a:RECV:mb0@r0)" in text
     assert "<-- ERROR HERE (rank 1)" in text
+
+
+class _Unpatchify(nn.Module):
+    """Returns a view of its result, as diffusers' DiTs do (``reshape`` / ``permute`` at the end)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x).permute(1, 0)
+
+
+def _shard_and_step(rank: int, world: int, hook: bool) -> tuple[list[str], torch.Tensor]:
+    import warnings
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from mmpipe.runtime.executor import own_outputs
+
+    module = _Unpatchify()
+    if hook:
+        module.register_forward_hook(own_outputs)
+    fully_shard(module, mesh=init_device_mesh("cpu", (world,)))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        out = module(torch.arange(8.0).view(2, 4))
+        out.square().sum().backward()
+    grad = module.proj.weight.grad.full_tensor()  # type: ignore[union-attr]
+    return [str(w.message) for w in seen if "returned a view tensor" in str(w.message)], grad
+
+
+def test_a_sharded_stage_returning_a_view_gets_its_own_output_and_the_same_gradients() -> None:
+    """FSDP2 warns on every forward of a sharded module that returns a view; the executor's hook
+    hands it a copy: no warning, the same gradients."""
+    from workers import run_workers
+
+    plain = run_workers(_shard_and_step, 2, False)
+    owned = run_workers(_shard_and_step, 2, True)
+    assert all(warned for warned, _ in plain)  # the warning this guards against still exists
+    assert all(not warned for warned, _ in owned)
+    for (_, a), (_, b) in zip(plain, owned, strict=True):
+        assert torch.equal(a, b)
