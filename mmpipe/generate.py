@@ -92,8 +92,12 @@ def _checked_run(cfg: GenerateConfig) -> tuple[Path, Path]:
     model = load_run_config(run_dir).model
     root = pipeline_dir(model, run_dir)
     i2v = json.loads((root / "model_index.json").read_text()).get("_class_name") == "WanImageToVideoPipeline"
-    transformer = root / "transformer" / "config.json"
-    flf2v = i2v and json.loads(transformer.read_text()).get("pos_embed_seq_len") is not None
+    if i2v:
+        from mmpipe.models.wan_i2v import is_flf2v  # imported here: see mmpipe.models' I2V imports
+
+        flf2v = is_flf2v(root)
+    else:
+        flf2v = False
     if model.kind == "u2g":
         if cfg.image is None:
             raise ValueError(

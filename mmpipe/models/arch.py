@@ -245,7 +245,7 @@ def _wan_i2v_arch_graph(model: ModelConfig, source: Callable[[str], ModuleSource
     local ``WanImageToVideoPipeline`` directory trains."""
     # Imported here: diffusers' WanImageToVideoPipeline module logs a warning at import without
     # torchvision, and importing mmpipe.models (every CLI start) must print nothing.
-    from mmpipe.models.wan_i2v import WAN_I2V_TRAIN_EDGES, check_i2v_text_len
+    from mmpipe.models.wan_i2v import check_i2v_text_len, connect_i2v_training_graph
 
     if dit_cls is not WanTransformer3DModel or model.kind != "t2v" or model.boundary_ratio is not None:
         raise ValueError(
@@ -264,8 +264,7 @@ def _wan_i2v_arch_graph(model: ModelConfig, source: Callable[[str], ModuleSource
     g.add_stage(CLIPImageEncoderStage("clip", image_src, processing=processing))
     g.add_stage(WanI2VVAEEncodeStage("vae", source("vae")))
     g.add_stage(WanI2VDiTFlowMatchingStage("dit", source("dit"), shift=model.flow_shift))
-    for src, dst in WAN_I2V_TRAIN_EDGES:
-        g.connect(src, dst)
+    connect_i2v_training_graph(g, ["dit"])
     g.validate()
     return g
 

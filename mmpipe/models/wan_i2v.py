@@ -206,18 +206,6 @@ class WanI2VFamily(Wan22Family):
 #: so its prompts are padded to exactly 512 tokens, as the pipeline pads them
 I2V_TEXT_LEN = 512
 
-WAN_I2V_TRAIN_EDGES = (
-    ("input.input_ids", "text.input_ids"),
-    ("input.attention_mask", "text.attention_mask"),
-    ("input.video", "clip.video"),
-    ("input.video", "vae.video"),
-    ("text.context", "dit.context"),
-    ("clip.image_embeds", "dit.image_embeds"),
-    ("vae.latents", "dit.latents"),
-    ("vae.condition", "dit.condition"),
-)
-
-
 #: where each input port of an image-to-video DiT stage comes from
 I2V_DIT_SOURCES = {
     "context": "text.context",
@@ -225,6 +213,20 @@ I2V_DIT_SOURCES = {
     "condition": "vae.condition",
     "image_embeds": "clip.image_embeds",
 }
+
+
+def connect_i2v_training_graph(g: Graph, experts: Sequence[str]) -> None:
+    """The edges of an image-to-video training graph whose stages are added: the prompt to
+    ``text``, the clip to ``vae`` (and ``clip``), every port of each expert from the stage that
+    makes it (:data:`I2V_DIT_SOURCES`)."""
+    g.connect("input.input_ids", "text.input_ids")
+    g.connect("input.attention_mask", "text.attention_mask")
+    g.connect("input.video", "vae.video")
+    if "clip" in g.stages:
+        g.connect("input.video", "clip.video")
+    for expert in experts:
+        for port in g.stages[expert].inputs:
+            g.connect(I2V_DIT_SOURCES[port], f"{expert}.{port}")
 
 
 def check_i2v_text_len(text_len: int) -> None:
@@ -236,9 +238,14 @@ def check_i2v_text_len(text_len: int) -> None:
         )
 
 
-def _transformer_config(root: Path, component: str = "transformer") -> dict[str, Any]:
-    config = root / component / "config.json"
+def _transformer_config(root: Path) -> dict[str, Any]:
+    config = root / "transformer" / "config.json"
     return cast(dict[str, Any], json.loads(config.read_text())) if config.is_file() else {}
+
+
+def is_flf2v(root: Path) -> bool:
+    """Whether the directory's transformer is Wan 2.1 FLF2V's (``pos_embed_seq_len``: first and last frames)."""
+    return _transformer_config(root).get("pos_embed_seq_len") is not None
 
 
 def check_i2v_training_dir(root: Path, meta: Mapping[str, Any], where: str) -> None:
@@ -306,7 +313,7 @@ def build_wan_i2v_training_graph(pipeline_dir: str | Path, *, text_len: int) -> 
     g.add_input("attention_mask", TensorSpec(("B", text_len), torch.int64))
     g.add_input("video", TensorSpec(("B", 3, "T", "H", "W"), torch.float32))
     g.add_stage(build_text_stage("text", root / "text_encoder", tokenizer, max_length=text_len))
-    flf2v = _transformer_config(root).get("pos_embed_seq_len") is not None  # the first and last frames
+    flf2v = is_flf2v(root)  # the first and the last frame condition
     if "clip" in stages:
         g.add_stage(CLIPImageEncoderStage.from_pipeline_dir("clip", root, last_frame=flf2v))
     if ti2v:
@@ -321,14 +328,7 @@ def build_wan_i2v_training_graph(pipeline_dir: str | Path, *, text_len: int) -> 
         experts = {"dit": ("transformer", (0.0, 1.0))}
     for name, (component, sigmas) in experts.items():
         g.add_stage(dit_cls.from_pretrained(name, root / component, shift=shift, sigma_range=sigmas))
-    g.connect("input.input_ids", "text.input_ids")
-    g.connect("input.attention_mask", "text.attention_mask")
-    g.connect("input.video", "vae.video")
-    if "clip" in g.stages:
-        g.connect("input.video", "clip.video")
-    for expert in experts:  # every port of each expert, from the stage that makes it
-        for port in g.stages[expert].inputs:
-            g.connect(I2V_DIT_SOURCES[port], f"{expert}.{port}")
+    connect_i2v_training_graph(g, list(experts))
     g.validate()
     return g
 

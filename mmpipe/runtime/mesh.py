@@ -48,11 +48,11 @@ class MeshOwner:
                 # spans the world the default group, whose point-to-point tags the pipeline's transfers
                 # use too, so a ring receive would match a transfer's send (a DiT ring-split over the
                 # encoders' rank and another deadlocked).
-                for replica in range(group.dp):
+                for replica in range(group.dp if group.ring > 1 else 0):
                     for u in range(group.ulysses):
                         ring_ranks = grid[replica, :, u].tolist()
-                        ring_group = dist.new_group(ring_ranks) if group.ring > 1 else None
-                        if rank in ring_ranks and ring_group is not None:
+                        ring_group = dist.new_group(ring_ranks)
+                        if rank in ring_ranks:
                             self._ring_groups[stage] = ring_group
 
     @property
