@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from diffusers import AutoencoderKLWan
 
 from mmpipe.config import ModelConfig
 from mmpipe.data import MovingShapesDataset, caption_vocabulary, frames_to_uint8
@@ -53,6 +54,7 @@ def main() -> None:
     p.add_argument(
         "--whiten", action="store_true", help="PCA-whiten the VAE's latents (shapes_vae_train.whiten_latents)"
     )
+    p.add_argument("--vae", default=None, help="a VAE directory (save_pretrained) instead of the packaged shapes VAE")
     p.add_argument("--sheet", default=None, help="write the last eval's contact sheet (PNG) here")
     p.add_argument(
         "--latents",
@@ -64,6 +66,8 @@ def main() -> None:
     torch.manual_seed(0)
     spec = ModelConfig(name="t2v_tiny", dit_layers=a.layers, dit_heads=a.heads, flow_shift=a.shift)
     pipe = build_tiny_wan_pipeline(spec, [*caption_vocabulary(), "blurry static"], seed=0)
+    if a.vae:
+        pipe.vae = AutoencoderKLWan.from_pretrained(a.vae).eval()
     vae, dit = pipe.vae, pipe.transformer
     mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
     std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)

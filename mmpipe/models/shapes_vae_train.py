@@ -47,11 +47,21 @@ def train_shapes_vae(
     seed: int = 0,
     init: Path | None = None,
     data_seed: int = TRAIN_SEED,
+    latent_noise: float = LATENT_NOISE,
+    relative_noise: bool = False,
     progress: bool = True,
 ) -> dict[str, Any]:
     """Train the VAE from ``seed`` (or continue from the weights in ``init``) on ``train_frames``-frame
     clips of dataset seed ``data_seed``, save it to ``out`` with its PSNR on held-out
-    ``frames``-frame clips; return the metrics."""
+    ``frames``-frame clips; return the metrics.
+
+    The decoder sees the posterior's mode plus Gaussian noise of standard deviation
+    ``latent_noise``; with ``relative_noise``, ``latent_noise`` times each latent channel's standard
+    deviation over the batch (detached), which the encoder cannot outgrow by scaling its latents up
+    (the KL term is too small to stop it): the decoder then tolerates errors of that size in the
+    normalised latents a DiT generates."""
+    if not latent_noise >= 0:
+        raise ValueError(f"latent_noise must be >= 0, got {latent_noise!r}")
     torch.manual_seed(seed)
     vae: WanVAE = AutoencoderKLWan.from_pretrained(init) if init is not None else AutoencoderKLWan(**CONFIG)
     # Clips of 1 + 4 frames: the encoder's first-frame path and one 4-frame chunk of its causal
@@ -71,7 +81,11 @@ def train_shapes_vae(
         # The pipeline encodes with the posterior's mode and decodes what the DiT denoised: train
         # on the mode, with a little noise so that the decoder tolerates latents slightly off it
         # (sampling at the initial posterior's unit variance drowns what the encoder says early on).
-        z = posterior.mode() + LATENT_NOISE * torch.randn(posterior.mean.shape, generator=gen)
+        z = posterior.mode()
+        scale = latent_noise
+        if relative_noise:
+            scale = latent_noise * z.detach().transpose(0, 1).flatten(1).std(1).view(1, -1, 1, 1, 1)
+        z = z + scale * torch.randn(z.shape, generator=gen)
         y_BCTHW = decode_unclamped(vae, z)
         err = y_BCTHW - x_BCTHW
         # MSE, not Wan's L1: L1's optimum on these mostly-background frames is the background
@@ -97,6 +111,8 @@ def train_shapes_vae(
         "batch": batch,
         "lr": lr,
         "data_seed": data_seed,
+        "latent_noise": latent_noise,
+        "relative_noise": relative_noise,
         "train_seconds": round(time.perf_counter() - start, 1),
     }
     if init is not None and (init / "metrics.json").is_file():  # the training it continues
@@ -182,6 +198,12 @@ def main() -> None:
     p.add_argument("--train-frames", type=int, default=5, help="frames per training clip (4k+1)")
     p.add_argument("--init", type=Path, default=None, help="continue from these weights")
     p.add_argument("--data-seed", type=int, default=TRAIN_SEED, help="dataset seed of the training clips")
+    p.add_argument("--latent-noise", type=float, default=LATENT_NOISE, help="noise added to the posterior's mode")
+    p.add_argument(
+        "--relative-noise",
+        action="store_true",
+        help="--latent-noise is in units of each latent channel's standard deviation over the batch",
+    )
     args = p.parse_args()
     metrics = train_shapes_vae(
         args.out,
@@ -192,6 +214,8 @@ def main() -> None:
         init=args.init,
         data_seed=args.data_seed,
         train_frames=args.train_frames,
+        latent_noise=args.latent_noise,
+        relative_noise=args.relative_noise,
     )
     print(json.dumps(metrics))
 
