@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from diffusers import AutoencoderKLWan
 from torch.utils.data import DataLoader
 
@@ -48,32 +47,11 @@ def train_shapes_vae(
     seed: int = 0,
     init: Path | None = None,
     data_seed: int = TRAIN_SEED,
-    latent_noise: float = LATENT_NOISE,
-    relative_noise: bool = False,
-    lowpass_weight: float = 0.0,
-    recolour: float = 0.0,
     progress: bool = True,
 ) -> dict[str, Any]:
     """Train the VAE from ``seed`` (or continue from the weights in ``init``) on ``train_frames``-frame
     clips of dataset seed ``data_seed``, save it to ``out`` with its PSNR on held-out
-    ``frames``-frame clips; return the metrics.
-
-    The decoder sees the posterior's mode plus Gaussian noise of standard deviation
-    ``latent_noise``; with ``relative_noise``, ``latent_noise`` times each latent channel's standard
-    deviation over the batch (detached), which the encoder cannot outgrow by scaling its latents up
-    (the KL term is too small to stop it): the decoder then tolerates errors of that size in the
-    normalised latents a DiT generates.
-
-    ``lowpass_weight`` adds that weight times the MSE of the frames averaged over 8 x 8 pixel
-    blocks (one latent pixel's footprint): the colours of regions (a clip's background, the
-    shape's body) weigh more than their edges do in the plain MSE.
-
-    ``recolour`` is the fraction of training clips whose background is redrawn uniformly over the
-    whole colour range (:func:`recolour_backgrounds`)."""
-    if not 0.0 <= recolour <= 1.0:
-        raise ValueError(f"recolour must be in [0, 1], got {recolour!r}")
-    if not latent_noise >= 0:
-        raise ValueError(f"latent_noise must be >= 0, got {latent_noise!r}")
+    ``frames``-frame clips; return the metrics."""
     torch.manual_seed(seed)
     vae: WanVAE = AutoencoderKLWan.from_pretrained(init) if init is not None else AutoencoderKLWan(**CONFIG)
     # Clips of 1 + 4 frames: the encoder's first-frame path and one 4-frame chunk of its causal
@@ -89,24 +67,16 @@ def train_shapes_vae(
     vae.train()
     for step, sample in enumerate(loader, 1):
         x_BCTHW = sample["video"]
-        if recolour:
-            x_BCTHW = recolour_backgrounds(x_BCTHW, recolour, gen)
         posterior = vae.encode(x_BCTHW).latent_dist
         # The pipeline encodes with the posterior's mode and decodes what the DiT denoised: train
         # on the mode, with a little noise so that the decoder tolerates latents slightly off it
         # (sampling at the initial posterior's unit variance drowns what the encoder says early on).
-        z = posterior.mode()
-        scale = latent_noise
-        if relative_noise:
-            scale = latent_noise * z.detach().transpose(0, 1).flatten(1).std(1).view(1, -1, 1, 1, 1)
-        z = z + scale * torch.randn(z.shape, generator=gen)
+        z = posterior.mode() + LATENT_NOISE * torch.randn(posterior.mean.shape, generator=gen)
         y_BCTHW = decode_unclamped(vae, z)
         err = y_BCTHW - x_BCTHW
         # MSE, not Wan's L1: L1's optimum on these mostly-background frames is the background
         # everywhere, a plateau this small network stays on for hundreds of steps (measured)
         loss = err.pow(2).mean() + KL_WEIGHT * posterior.kl().mean()
-        if lowpass_weight:
-            loss = loss + lowpass_weight * F.avg_pool3d(err, (1, 8, 8)).pow(2).mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
@@ -127,10 +97,6 @@ def train_shapes_vae(
         "batch": batch,
         "lr": lr,
         "data_seed": data_seed,
-        "latent_noise": latent_noise,
-        "relative_noise": relative_noise,
-        "lowpass_weight": lowpass_weight,
-        "recolour": recolour,
         "train_seconds": round(time.perf_counter() - start, 1),
     }
     if init is not None and (init / "metrics.json").is_file():  # the training it continues
@@ -139,24 +105,6 @@ def train_shapes_vae(
     vae.save_pretrained(out)
     (out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
     return metrics
-
-
-def recolour_backgrounds(x_BCTHW: torch.Tensor, fraction: float, gen: torch.Generator) -> torch.Tensor:
-    """A copy of the clips ``x_BCTHW`` (in [-1, 1]) where each clip, with probability ``fraction``, has
-    its background (the pixels of the median colour of its first frame's border) redrawn uniformly
-    in [-1, 1]: the data set's backgrounds are all dark, along one ray from the origin of the colour
-    cube, which a network of scale-invariant (RMS) norms can barely tell apart."""
-    x = x_BCTHW.clone()
-    first_BCHW = x[:, :, 0]
-    border_BCN = torch.cat(
-        [first_BCHW[..., 0, :], first_BCHW[..., -1, :], first_BCHW[..., 1:-1, 0], first_BCHW[..., 1:-1, -1]], -1
-    )
-    bg_BC = border_BCN.median(-1).values
-    pick_B = torch.rand(x.shape[0], generator=gen) < fraction
-    new_BC = torch.rand(bg_BC.shape, generator=gen) * 2 - 1
-    is_bg_BTHW = (x == bg_BC[:, :, None, None, None]).all(1)
-    recoloured = torch.where(is_bg_BTHW[:, None], new_BC[:, :, None, None, None], x)
-    return torch.where(pick_B[:, None, None, None, None], recoloured, x)
 
 
 def decode_unclamped(vae: WanVAE, z_BZthw: torch.Tensor) -> torch.Tensor:
@@ -234,18 +182,6 @@ def main() -> None:
     p.add_argument("--train-frames", type=int, default=5, help="frames per training clip (4k+1)")
     p.add_argument("--init", type=Path, default=None, help="continue from these weights")
     p.add_argument("--data-seed", type=int, default=TRAIN_SEED, help="dataset seed of the training clips")
-    p.add_argument("--latent-noise", type=float, default=LATENT_NOISE, help="noise added to the posterior's mode")
-    p.add_argument(
-        "--relative-noise",
-        action="store_true",
-        help="--latent-noise is in units of each latent channel's standard deviation over the batch",
-    )
-    p.add_argument(
-        "--lowpass-weight", type=float, default=0.0, help="weight of the MSE of 8 x 8-pixel block means (0: off)"
-    )
-    p.add_argument(
-        "--recolour", type=float, default=0.0, help="fraction of clips whose background is redrawn in [0, 1]^3"
-    )
     args = p.parse_args()
     metrics = train_shapes_vae(
         args.out,
@@ -256,10 +192,6 @@ def main() -> None:
         init=args.init,
         data_seed=args.data_seed,
         train_frames=args.train_frames,
-        latent_noise=args.latent_noise,
-        relative_noise=args.relative_noise,
-        lowpass_weight=args.lowpass_weight,
-        recolour=args.recolour,
     )
     print(json.dumps(metrics))
 
