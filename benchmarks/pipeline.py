@@ -594,6 +594,8 @@ def parse_args(names: Sequence[str]) -> argparse.Namespace:
 def rescore(path: Path) -> dict[str, Any]:
     """The regrets of an earlier run's JSON line (the last line of ``path`` that starts with
     ``{"workloads"``), recomputed from its per-round figures by :func:`regret_per_round`."""
+    if not path.is_file():
+        raise SystemExit(f"--rescore {path}: no such file")
     lines = [ln for ln in path.read_text().splitlines() if ln.startswith('{"workloads"')]
     if not lines:
         raise SystemExit(f"--rescore: no JSON line of benchmarks/pipeline.py in {path}")

@@ -47,13 +47,18 @@ def train_shapes_vae(
     seed: int = 0,
     init: Path | None = None,
     data_seed: int = TRAIN_SEED,
+    residual: bool = False,
     progress: bool = True,
 ) -> dict[str, Any]:
     """Train the VAE from ``seed`` (or continue from the weights in ``init``) on ``train_frames``-frame
     clips of dataset seed ``data_seed``, save it to ``out`` with its PSNR on held-out
     ``frames``-frame clips; return the metrics."""
     torch.manual_seed(seed)
-    vae: WanVAE = AutoencoderKLWan.from_pretrained(init) if init is not None else AutoencoderKLWan(**CONFIG)
+    vae: WanVAE = (
+        AutoencoderKLWan.from_pretrained(init)
+        if init is not None
+        else AutoencoderKLWan(**CONFIG, **({"is_residual": True} if residual else {}))
+    )
     # Clips of 1 + 4 frames: the encoder's first-frame path and one 4-frame chunk of its causal
     # cache, as every longer clip is processed (chunk by chunk), at a third of 17 frames' cost.
     data = MovingShapesDataset(
@@ -97,6 +102,7 @@ def train_shapes_vae(
         "batch": batch,
         "lr": lr,
         "data_seed": data_seed,
+        "residual": bool(vae.config.is_residual),
         "train_seconds": round(time.perf_counter() - start, 1),
     }
     if init is not None and (init / "metrics.json").is_file():  # the training it continues
@@ -182,6 +188,7 @@ def main() -> None:
     p.add_argument("--train-frames", type=int, default=5, help="frames per training clip (4k+1)")
     p.add_argument("--init", type=Path, default=None, help="continue from these weights")
     p.add_argument("--data-seed", type=int, default=TRAIN_SEED, help="dataset seed of the training clips")
+    p.add_argument("--residual", action="store_true", help="Wan 2.2's residual down / up blocks (from scratch)")
     args = p.parse_args()
     metrics = train_shapes_vae(
         args.out,
@@ -192,6 +199,7 @@ def main() -> None:
         init=args.init,
         data_seed=args.data_seed,
         train_frames=args.train_frames,
+        residual=args.residual,
     )
     print(json.dumps(metrics))
 
