@@ -4,8 +4,6 @@ judges rows, at tiny sizes. No timings are asserted."""
 from __future__ import annotations
 
 import argparse
-import functools
-import importlib.util
 import json
 import os
 import subprocess
@@ -14,22 +12,15 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from bench_scripts import bench_module
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "memory.py"
 TINY = ["--layers", "8", "--heads", "2", "--head-dim", "16"]
 
 
-@functools.cache
 def _bench() -> ModuleType:
-    """The script as a module (not through sys.path, where benchmarks/kernels.py would stand in for a
-    package); registered, as its dataclasses need."""
-    spec = importlib.util.spec_from_file_location("memory_benchmark", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return bench_module("memory")
 
 
 def _child(blocks: str, frames: int, env: dict[str, str]) -> subprocess.Popen[str]:

@@ -4,8 +4,6 @@ and ``--rescore`` recomputing an earlier run's regrets from its JSON line."""
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import json
 import subprocess
 import sys
@@ -13,20 +11,14 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from bench_scripts import bench_module
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "pipeline.py"
 
 
-@functools.cache
 def _bench() -> ModuleType:
-    """The script as a module (registered, as its dataclasses need)."""
-    spec = importlib.util.spec_from_file_location("pipeline_benchmark", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return bench_module("pipeline")
 
 
 def test_a_placement_is_not_raced_against_a_second_run_of_itself() -> None:
