@@ -171,12 +171,10 @@ def check_placement_for_model(
     check_parallel_dir(root, layout, key="placement.denoise")
     if len(placement.decode) > 1:
         family = family_class(str(json.loads((root / "model_index.json").read_text()).get("_class_name")))
-        vae = root / "vae" / "config.json"
-        residual = vae.is_file() and bool(json.loads(vae.read_text()).get("is_residual"))
-        if not family.parallel_decode or (residual and placement.decode_split == "rows"):
+        if not family.parallel_decode:
             raise ValueError(
                 f"placement.decode={list(placement.decode)}: {family.pipeline_cls.__name__}'s VAE decode is "
-                "not split over ranks in mmpipe (the Wan 2.1 VAE's is); name one rank"
+                "not split over ranks in mmpipe (the Wan VAEs' is); name one rank"
             )
     if layout.sp > 1 and cache_policy == "first_block":
         raise ValueError(

@@ -16,7 +16,11 @@ with three hooks installed for the call:
   cached-and-new input is taken after the cache is prepended, exactly as the whole decode pads it.
 
 Band boundaries double with every upsampler, so a band stays a band; the bands' videos are
-gathered at the end and every rank returns the whole video. The result equals ``vae.decode``'s up
+gathered at the end and every rank returns the whole video. Wan 2.2's residual decoder
+(``is_residual=True``) needs no more: its up blocks' shortcut (``DupUp3D``) repeats each pixel's
+channels into the 2x2 (x2 in time) pixels it becomes, and the 2.2 VAE's ``unpatchify`` spreads each
+pixel's channels over a ``patch_size`` square, both per pixel, so a band's rows map to the
+corresponding rows of the output. The result equals ``vae.decode``'s up
 to float reassociation (convolutions over a band may block differently than over the whole).
 
 Legend: B batch, Z latent channels, C channels, t/h/w latent frames/rows/columns, T/H/W video's.
@@ -147,10 +151,7 @@ def _banded(vae: AutoencoderKLWan, bands: _Bands) -> Iterator[None]:
 
 
 def check_patch_parallel(vae: AutoencoderKLWan) -> None:
-    """Refuse a Wan VAE whose decoder has operations the band split does not cover (the residual
-    Wan 2.2 VAE's space-to-channel shuffles; tiling)."""
-    if getattr(vae.config, "is_residual", False):
-        raise ValueError("patch-parallel decode covers the Wan 2.1 VAE; this one is residual (Wan 2.2)")
+    """Refuse a Wan VAE set to decode in tiles (the band split replaces the tiling)."""
     if vae.use_tiling:
         raise ValueError("patch-parallel decode splits rows itself: turn the VAE's tiling off")
 

@@ -169,36 +169,74 @@ def test_bad_input_names_the_value() -> None:
 
 
 # ---- patch (row band) parallel decode: mmpipe.parallel.vae_patch -------------------------------
-def _patch_worker(rank: int, world: int, z: torch.Tensor, shapes: bool) -> torch.Tensor:
+def _patch_vae(kind: str) -> AutoencoderKLWan:
+    """``tiny``: TINY (Wan 2.1 blocks); ``shapes``: the packaged moving-shapes VAE; ``residual``:
+    TINY with Wan 2.2's residual up blocks (``DupUp3D`` shortcuts); ``residual-patch``: that with
+    the 2.2 VAE's 2x2 ``unpatchify`` of 12 output channels, as Wan2.2-TI2V-5B's VAE is laid out."""
     from mmpipe.models.shapes_vae import load_shapes_vae
+
+    if kind == "shapes":
+        return load_shapes_vae()
+    extra: dict[str, object] = {
+        "tiny": {},
+        "residual": {"is_residual": True},
+        "residual-patch": {
+            "is_residual": True,
+            "patch_size": 2,
+            "in_channels": 12,
+            "out_channels": 12,
+            "scale_factor_spatial": 16,
+        },
+    }[kind]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        vae = AutoencoderKLWan(**TINY, **extra, latents_mean=[0.0] * 16, latents_std=[1.0] * 16)  # type: ignore[arg-type]
+    return vae.eval()
+
+
+def _patch_worker(rank: int, world: int, z: torch.Tensor, kind: str) -> torch.Tensor:
     from mmpipe.parallel.vae_patch import patch_parallel_wan_decode
 
     torch.set_num_threads(1)
-    vae = load_shapes_vae() if shapes else _vae()
+    vae = _patch_vae(kind)
     with torch.no_grad():
         return patch_parallel_wan_decode(vae, z, dist.new_group(list(range(world))))
 
 
 @pytest.mark.parametrize(
-    ("world", "rows", "shapes"),
-    [(2, 5, False), (3, 7, False), (2, 16, True), (3, 16, True)],
-    ids=["tiny-2ranks-odd-rows", "tiny-3ranks", "shapes-vae-2ranks", "shapes-vae-3ranks"],
+    ("world", "rows", "kind"),
+    [
+        (2, 5, "tiny"),
+        (3, 7, "tiny"),
+        (2, 16, "shapes"),
+        (3, 16, "shapes"),
+        (2, 5, "residual"),
+        (3, 7, "residual-patch"),
+    ],
+    ids=[
+        "tiny-2ranks-odd-rows",
+        "tiny-3ranks",
+        "shapes-vae-2ranks",
+        "shapes-vae-3ranks",
+        "residual-2ranks-odd-rows",
+        "residual-patch-3ranks",
+    ],
 )
-def test_patch_parallel_decode_matches_whole(world: int, rows: int, shapes: bool) -> None:
+def test_patch_parallel_decode_matches_whole(world: int, rows: int, kind: str) -> None:
     """Bands of rows (unequal where the rows do not divide) with one-row halos per convolution and
     the attention over the whole frame: the whole decode up to float reassociation (observed 0 to
-    1e-6), while a missing halo row or a misplaced band errs by ~1e-1."""
-    from mmpipe.models.shapes_vae import load_shapes_vae
-
+    1e-6), while a missing halo row or a misplaced band errs by ~1e-1. Wan 2.2's residual decoder
+    (its ``DupUp3D`` shortcuts, and its ``unpatchify`` where the VAE has a ``patch_size``) needs no
+    more than Wan 2.1's: both are per pixel."""
     z = torch.randn(1, 16, 3, rows, 6, generator=torch.Generator().manual_seed(rows))
-    vae = load_shapes_vae() if shapes else _vae()
+    vae = _patch_vae(kind)
     with torch.no_grad():
         whole = vae.decode(z, return_dict=False)[0]
-    for rank, got in enumerate(run_workers(_patch_worker, world, z, shapes)):
+    for rank, got in enumerate(run_workers(_patch_worker, world, z, kind)):
         assert got.shape == whole.shape
         torch.testing.assert_close(got, whole, rtol=0, atol=1e-5, msg=f"rank {rank}")
 
 
 def test_patch_parallel_refuses_too_few_rows() -> None:
     with pytest.raises(AssertionError, match="cannot give each of 3 ranks a row"):
-        run_workers(_patch_worker, 3, torch.randn(1, 16, 2, 2, 3), False)
+        run_workers(_patch_worker, 3, torch.randn(1, 16, 2, 2, 3), "tiny")

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from mmpipe.config import GenerateConfig, StepCacheConfig
@@ -57,6 +58,30 @@ def test_two_ranks_write_one_process_frames(
         # Ulysses sums attention in another order (1e-6 on the latents, tests/dist/test_parallel_generate.py);
         # a GIF's palette turns a one-level difference into a few: compare the frames on average
         assert diff.mean() < 0.5 and diff.max() <= 16, (diff.mean(), diff.max())
+
+
+def test_a_residual_vae_decodes_split_by_rows(tiny_wan_dir: Path, tmp_path: Path) -> None:
+    """A Wan 2.2-style residual VAE (``is_residual=True``, as Wan2.2-TI2V-5B's) in the pipeline
+    directory: ``placement.decode`` over two ranks (CFG-2 on both, bitwise) splits its decode by rows and writes the frames
+    one process writes (up to float reassociation and the GIF's palette)."""
+    import shutil
+
+    from diffusers import AutoencoderKLWan
+
+    path = tmp_path / "residual"
+    shutil.copytree(tiny_wan_dir, path)
+    shutil.rmtree(path / "vae")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        AutoencoderKLWan(
+            base_dim=4, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, is_residual=True
+        ).save_pretrained(path / "vae")
+    one = _run(path, tmp_path / "one")
+    placement = {"text": [0], "denoise": {"ranks": [0, 1], "cfg": 2}, "decode": [0, 1]}
+    two = _run(path, tmp_path / "two", nproc=2, placement=placement)
+    assert two.shape == one.shape and one.std() > 1
+    diff = np.abs(two - one)
+    assert diff.mean() < 0.5 and diff.max() <= 16, (diff.mean(), diff.max())
 
 
 @pytest.mark.parametrize(
