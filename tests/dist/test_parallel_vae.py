@@ -39,11 +39,11 @@ TINY_FIELD = 30
 H, W = 2, 3  # latent height and width: non-square (video 16 x 24)
 
 
-def _vae(dtype: torch.dtype = torch.float32) -> AutoencoderKLWan:
-    """The same random weights in every process."""
+def _vae(dtype: torch.dtype = torch.float32, *, residual: bool = False) -> AutoencoderKLWan:
+    """The same random weights in every process (``residual``: Wan 2.2's residual up blocks)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        vae = AutoencoderKLWan(**TINY, latents_mean=[0.0] * 16, latents_std=[1.0] * 16)
+        vae = AutoencoderKLWan(**TINY, is_residual=residual, latents_mean=[0.0] * 16, latents_std=[1.0] * 16)
     # nn.Module's own cast: ModelMixin.to(dtype) logs a warning about fp32-kept modules (Wan has none)
     return vae.eval().type(dtype)
 
@@ -97,18 +97,24 @@ def test_parallel_decode_matches_whole_decode(world: int) -> None:
 def test_receptive_field_from_the_config() -> None:
     with torch.device("meta"):  # structure only: no weights allocated
         tiny, wan21 = _vae(), AutoencoderKLWan()  # diffusers' defaults are Wan 2.1's VAE
+        residual = _vae(residual=True)
     assert (wan_decode_receptive_field(tiny), wan_temporal_factor(tiny)) == (TINY_FIELD, 4)
+    # the residual blocks' shortcuts skip convs: the longest path, and so the field, is the same
+    assert (wan_decode_receptive_field(residual), wan_temporal_factor(residual)) == (TINY_FIELD, 4)
     # Wan 2.1 (num_res_blocks=2, 6 convs an up block): 26 frames at rate 4, 14 at rate 2, 24 at rate 1
     assert (wan_decode_receptive_field(wan21), wan_temporal_factor(wan21)) == (38, 4)
 
 
+@pytest.mark.parametrize("residual", [False, True], ids=["wan21-blocks", "residual-blocks"])
 @torch.inference_mode()
-def test_receptive_field_matches_a_perturbation() -> None:
+def test_receptive_field_matches_a_perturbation(residual: bool) -> None:
     """In float64, so that the far end of the field (an effect of ~1e-9) cannot round away: a change
     to latent frame k moves the video frames of latent frame k + field and leaves those after it
     bitwise alone (same shapes, same kernels); a decode whose halo is the field matches the whole
-    decode to float64 reassociation, one a frame short does not."""
-    vae, k = _vae(torch.float64), 2
+    decode to float64 reassociation, one a frame short does not. Also for Wan 2.2's residual
+    decoder, whose first chunk drops its shortcut's first frame (``DupUp3D(first_chunk=True)``) as
+    a range decoded from a later latent frame does."""
+    vae, k = _vae(torch.float64, residual=residual), 2
     field = wan_decode_receptive_field(vae)
     z = _latents(k + field + 2, torch.float64, size=(1, 2))  # 1 x 2 latent pixels: float64 convs are slow
     moved = z.clone()
