@@ -147,7 +147,7 @@ class DataConfig:
 class TrainConfig:
     """Optimisation, logging and checkpointing of ``mmpipe train``."""
 
-    steps: int = 2900
+    steps: int = 4400
     batch_size: int = 8  # global batch: samples per optimizer step
     micro_batches: int = 2
     lr: float = 3e-3

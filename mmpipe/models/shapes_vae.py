@@ -1,8 +1,9 @@
 """The embedded default's VAE: a tiny Wan-architecture VAE trained on the moving-shapes clips.
 
 A DiT trained on the latents of a random VAE learns something, but what it generates decodes to
-noise. This VAE (``AutoencoderKLWan``, the Wan 2.1 architecture at a tiny width: 4x temporal and
-8x spatial compression to 16 latent channels, as Wan's) is trained here on the procedural
+noise. This VAE (``AutoencoderKLWan`` at a tiny width: 4x temporal and 8x spatial compression to
+16 latent channels, as Wan 2.1's, with Wan 2.2's residual down / up blocks, whose pixel-average
+shortcuts carry a flat region's colour that Wan 2.1's blocks lose at this width) is trained here on the procedural
 moving-shapes clips with Wan's VAE objective minus its perceptual and adversarial terms
 (reconstruction, here MSE; a small KL term), then frozen for the DiT. Its weights (under 1 MiB)
 ship with the package (``mmpipe/models/weights/shapes_vae``), so ``make run`` needs neither a
@@ -29,13 +30,15 @@ from torch.utils.data import DataLoader
 from mmpipe.data.shapes import MovingShapesDataset
 
 WEIGHTS_DIR = Path(__file__).parent / "weights" / "shapes_vae"
-# The architecture: Wan 2.1's VAE block structure at base width 8 (Wan: 96), widths x1, x2, x2, x2.
+# The architecture: Wan's VAE at base width 8 (Wan: 96), widths x1, x2, x2, x2, with Wan 2.2's
+# residual blocks (``is_residual``; benchmarks/RESULTS.md, "What holds the colour and the VAE back").
 CONFIG: dict[str, Any] = {
     "base_dim": 8,
     "z_dim": 16,
     "dim_mult": [1, 2, 2, 2],
     "num_res_blocks": 1,
     "temperal_downsample": [False, True, True],
+    "is_residual": True,
 }
 # An ``AutoencoderKLWan``: mypy sees diffusers' lazily imported class without its methods.
 WanVAE = Any

@@ -47,17 +47,18 @@ def train_shapes_vae(
     seed: int = 0,
     init: Path | None = None,
     data_seed: int = TRAIN_SEED,
-    residual: bool = False,
+    wan21_blocks: bool = False,
     progress: bool = True,
 ) -> dict[str, Any]:
     """Train the VAE from ``seed`` (or continue from the weights in ``init``) on ``train_frames``-frame
     clips of dataset seed ``data_seed``, save it to ``out`` with its PSNR on held-out
-    ``frames``-frame clips; return the metrics."""
+    ``frames``-frame clips; return the metrics. ``wan21_blocks``: Wan 2.1's down / up blocks instead
+    of :data:`CONFIG`'s residual ones (the previously shipped architecture, for comparison)."""
     torch.manual_seed(seed)
     vae: WanVAE = (
         AutoencoderKLWan.from_pretrained(init)
         if init is not None
-        else AutoencoderKLWan(**CONFIG, **({"is_residual": True} if residual else {}))
+        else AutoencoderKLWan(**(CONFIG | ({"is_residual": False} if wan21_blocks else {})))
     )
     # Clips of 1 + 4 frames: the encoder's first-frame path and one 4-frame chunk of its causal
     # cache, as every longer clip is processed (chunk by chunk), at a third of 17 frames' cost.
@@ -188,7 +189,11 @@ def main() -> None:
     p.add_argument("--train-frames", type=int, default=5, help="frames per training clip (4k+1)")
     p.add_argument("--init", type=Path, default=None, help="continue from these weights")
     p.add_argument("--data-seed", type=int, default=TRAIN_SEED, help="dataset seed of the training clips")
-    p.add_argument("--residual", action="store_true", help="Wan 2.2's residual down / up blocks (from scratch)")
+    p.add_argument(
+        "--wan21-blocks",
+        action="store_true",
+        help="Wan 2.1's down / up blocks instead of Wan 2.2's residual ones (from scratch; the VAE shipped before)",
+    )
     args = p.parse_args()
     metrics = train_shapes_vae(
         args.out,
@@ -199,7 +204,7 @@ def main() -> None:
         init=args.init,
         data_seed=args.data_seed,
         train_frames=args.train_frames,
-        residual=args.residual,
+        wan21_blocks=args.wan21_blocks,
     )
     print(json.dumps(metrics))
 

@@ -45,6 +45,19 @@ def test_training_command_writes_a_loadable_vae_with_latent_statistics(tmp_path:
     assert len(vae.config.latents_std) == CONFIG["z_dim"] and all(s > 0 for s in vae.config.latents_std)
     saved = json.loads((tmp_path / "vae" / "metrics.json").read_text())
     assert saved == metrics and saved["steps"] == 2
+    assert vae.config.is_residual and saved["residual"]  # CONFIG's Wan 2.2 residual blocks
+    old = train_shapes_vae(
+        tmp_path / "wan21",
+        steps=1,
+        batch=1,
+        train_frames=1,
+        frames=5,
+        height=32,
+        width=32,
+        wan21_blocks=True,
+        progress=False,
+    )
+    assert not old["residual"] and not AutoencoderKLWan.from_pretrained(tmp_path / "wan21").config.is_residual
 
 
 def test_whitening_keeps_reconstructions_and_whitens_the_latents() -> None:
