@@ -3,9 +3,9 @@
 A DiT trained on the latents of a random VAE learns something, but what it generates decodes to
 noise. This VAE (``AutoencoderKLWan`` at a tiny width: 4x temporal and 8x spatial compression to
 16 latent channels, as Wan 2.1's, with Wan 2.2's residual down / up blocks, whose pixel-average
-shortcuts carry a flat region's colour that Wan 2.1's blocks lose at this width) is trained here on the procedural
-moving-shapes clips with Wan's VAE objective minus its perceptual and adversarial terms
-(reconstruction, here MSE; a small KL term), then frozen for the DiT. Its weights (under 1 MiB)
+shortcuts carry a flat region's colour that Wan 2.1's blocks lose at this width) is trained here
+on the procedural moving-shapes clips with Wan's VAE objective minus its perceptual and
+adversarial terms (reconstruction, here MSE; a small KL term), then frozen for the DiT. Its weights (under 1 MiB)
 ship with the package (``mmpipe/models/weights/shapes_vae``), so ``make run`` needs neither a
 download nor the hour and a half this training takes on a 2-core CPU; they are rebuilt
 (:mod:`mmpipe.models.shapes_vae_train`) by the three commands of ``docs/cli.md`` (5-frame clips,

@@ -20,8 +20,8 @@ gathered at the end and every rank returns the whole video. Wan 2.2's residual d
 (``is_residual=True``) needs no more: its up blocks' shortcut (``DupUp3D``) repeats each pixel's
 channels into the 2x2 (x2 in time) pixels it becomes, and the 2.2 VAE's ``unpatchify`` spreads each
 pixel's channels over a ``patch_size`` square, both per pixel, so a band's rows map to the
-corresponding rows of the output. The result equals ``vae.decode``'s up
-to float reassociation (convolutions over a band may block differently than over the whole).
+corresponding rows of the output. The result equals ``vae.decode``'s up to float reassociation
+(convolutions over a band may block differently than over the whole).
 
 Legend: B batch, Z latent channels, C channels, t/h/w latent frames/rows/columns, T/H/W video's.
 """

@@ -14,6 +14,8 @@ reassociation is ~1e-16 and one frame short errs by ~1e-9).
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -39,11 +41,12 @@ TINY_FIELD = 30
 H, W = 2, 3  # latent height and width: non-square (video 16 x 24)
 
 
-def _vae(dtype: torch.dtype = torch.float32, *, residual: bool = False) -> AutoencoderKLWan:
-    """The same random weights in every process (``residual``: Wan 2.2's residual up blocks)."""
+def _vae(dtype: torch.dtype = torch.float32, **overrides: Any) -> AutoencoderKLWan:
+    """TINY with the same random weights in every process; ``overrides`` change its config (e.g.
+    ``is_residual=True``: Wan 2.2's residual up blocks)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        vae = AutoencoderKLWan(**TINY, is_residual=residual, latents_mean=[0.0] * 16, latents_std=[1.0] * 16)
+        vae = AutoencoderKLWan(**(TINY | overrides), latents_mean=[0.0] * 16, latents_std=[1.0] * 16)
     # nn.Module's own cast: ModelMixin.to(dtype) logs a warning about fp32-kept modules (Wan has none)
     return vae.eval().type(dtype)
 
@@ -97,7 +100,7 @@ def test_parallel_decode_matches_whole_decode(world: int) -> None:
 def test_receptive_field_from_the_config() -> None:
     with torch.device("meta"):  # structure only: no weights allocated
         tiny, wan21 = _vae(), AutoencoderKLWan()  # diffusers' defaults are Wan 2.1's VAE
-        residual = _vae(residual=True)
+        residual = _vae(is_residual=True)
     assert (wan_decode_receptive_field(tiny), wan_temporal_factor(tiny)) == (TINY_FIELD, 4)
     # the residual blocks' shortcuts skip convs: the longest path, and so the field, is the same
     assert (wan_decode_receptive_field(residual), wan_temporal_factor(residual)) == (TINY_FIELD, 4)
@@ -114,7 +117,7 @@ def test_receptive_field_matches_a_perturbation(residual: bool) -> None:
     decode to float64 reassociation, one a frame short does not. Also for Wan 2.2's residual
     decoder, whose first chunk drops its shortcut's first frame (``DupUp3D(first_chunk=True)``) as
     a range decoded from a later latent frame does."""
-    vae, k = _vae(torch.float64, residual=residual), 2
+    vae, k = _vae(torch.float64, is_residual=residual), 2
     field = wan_decode_receptive_field(vae)
     z = _latents(k + field + 2, torch.float64, size=(1, 2))  # 1 x 2 latent pixels: float64 convs are slow
     moved = z.clone()
@@ -183,21 +186,13 @@ def _patch_vae(kind: str) -> AutoencoderKLWan:
 
     if kind == "shapes":
         return load_shapes_vae()
-    extra: dict[str, object] = {
+    residual_patch = {"patch_size": 2, "in_channels": 12, "out_channels": 12, "scale_factor_spatial": 16}
+    overrides = {
         "tiny": {},
         "residual": {"is_residual": True},
-        "residual-patch": {
-            "is_residual": True,
-            "patch_size": 2,
-            "in_channels": 12,
-            "out_channels": 12,
-            "scale_factor_spatial": 16,
-        },
-    }[kind]
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        vae = AutoencoderKLWan(**TINY, **extra, latents_mean=[0.0] * 16, latents_std=[1.0] * 16)  # type: ignore[arg-type]
-    return vae.eval()
+        "residual-patch": {"is_residual": True, **residual_patch},
+    }
+    return _vae(**overrides[kind])
 
 
 def _patch_worker(rank: int, world: int, z: torch.Tensor, kind: str) -> torch.Tensor:

@@ -62,8 +62,9 @@ def test_two_ranks_write_one_process_frames(
 
 def test_a_residual_vae_decodes_split_by_rows(tiny_wan_dir: Path, tmp_path: Path) -> None:
     """A Wan 2.2-style residual VAE (``is_residual=True``, as Wan2.2-TI2V-5B's) in the pipeline
-    directory: ``placement.decode`` over two ranks (CFG-2 on both, bitwise) splits its decode by rows and writes the frames
-    one process writes (up to float reassociation and the GIF's palette)."""
+    directory: ``placement.decode`` over two ranks (CFG-2 on both, bitwise) splits its decode by
+    rows and writes the frames one process writes (up to float reassociation and the GIF's
+    palette)."""
     import shutil
 
     from diffusers import AutoencoderKLWan
