@@ -8,15 +8,15 @@ back from each run's ``config.yaml`` (``auto_placement``; ``auto_name``: the enu
 is). Baselines, on the same 2 ranks x 1 thread each, enumerated from the model's graph: every
 assignment of its units of stages to rank 0, rank 1 or both (data-parallel, dp=2: FSDP2 for a
 trained stage, turns over the micro-batches for a frozen one), the DiT also data-parallel with its
-parameters gathered once per step (``dp+once``) or split over both ranks by Ulysses
-(``ulysses2``). Units: the VAE, the DiT, and the stages that make the DiT's context grouped by
+parameters gathered once per step (``dp+once``) or whole on both ranks, its gradients all-reduced
+(``dp+ddp``: DDP, ``replicate: true``), or split over both ranks by Ulysses (``ulysses2``; with
+whole parameters: ``ulysses2+ddp``). Units: the VAE, the DiT, and the stages that make the DiT's context grouped by
 ``--context``: ``roles`` (default: each run of them with one role, frozen or trained; t2v: text;
 u2g: vision | LLM + connector), ``tied`` (all in one unit) or ``separate`` (each alone; u2g: 203
 placements). Dropped: placements that leave a rank idle, and one of each mirror pair (ranks 0 and
 1 swapped: the same two processes on one machine). A placement the config check rejects before any
 worker starts is listed in ``skipped`` with the error, one that fails while running with the failure.
-The data-parallel baselines (every unit ``dp``, the DiT ``dp`` or ``dp+once``) are among them.
-t2v workloads: 23 placements; u2g: 68.
+The data-parallel baselines (every unit ``dp``, the DiT ``dp``, ``dp+once`` or ``dp+ddp``) are among them.
 
 Workloads (sizes not tuned: the presets, or one stated doubling):
   default    the embedded default (``t2v_tiny``, 17 x 64 x 64 clips);
@@ -94,18 +94,21 @@ from mmpipe.train.prepare import resolve_auto
 
 Placement = dict[str, Any]
 BOTH = [0, 1]
-# Where a unit of stages goes: one rank, or both (dp=2); the DiT may also gather once or split by Ulysses.
+# Where a unit of stages goes: one rank, or both (dp=2); the DiT may also gather once, keep whole
+# parameters and all-reduce its gradients (DDP: "+ddp"), or split by Ulysses.
 OPTIONS: dict[str, Any] = {
     "0": [0],
     "1": [1],
     "dp": {"ranks": BOTH, "dp": 2},
     "dp+once": {"ranks": BOTH, "dp": 2, "gather_once": True},
+    "dp+ddp": {"ranks": BOTH, "dp": 2, "replicate": True},
     "ulysses2": {"ranks": BOTH, "ulysses": 2},
+    "ulysses2+ddp": {"ranks": BOTH, "ulysses": 2, "replicate": True},
 }
-DIT_OPTIONS = ("0", "1", "dp", "dp+once", "ulysses2")
+DIT_OPTIONS = ("0", "1", "dp", "dp+once", "dp+ddp", "ulysses2", "ulysses2+ddp")
 UNIT_OPTIONS = ("0", "1", "dp")
 MIRROR = {"0": "1", "1": "0"}
-DATA_PARALLEL = ("dp", "dp+once")  # every unit data-parallel, the DiT with one of these
+DATA_PARALLEL = ("dp", "dp+once", "dp+ddp")  # every unit data-parallel, the DiT with one of these
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,7 +266,15 @@ def name_of(placement: Placement, candidates: list[Candidate]) -> str | None:
 
 def compact(placement: Placement) -> Placement:
     """The config form without the fields at their defaults."""
-    defaults = {"ulysses": 1, "ring": 1, "recompute": 0.0, "offload": 0.0, "gather_once": False, "blocks": ""}
+    defaults = {
+        "ulysses": 1,
+        "ring": 1,
+        "recompute": 0.0,
+        "offload": 0.0,
+        "gather_once": False,
+        "blocks": "",
+        "replicate": False,
+    }
     out: Placement = {}
     for stage, g in placement.items():
         if not isinstance(g, dict):

@@ -4,7 +4,7 @@ degrees, memory policy, micro-batch size).
 
 The memory model per rank: trainable stages keep fp32 master weights, gradients and Adam moments
 sharded over their whole group (FSDP, 16 bytes per parameter / group size) plus two gathered bf16
-blocks; frozen stages keep bf16 weights, replicated when small and sharded otherwise; activations
+blocks, or, replicated (DDP), all 16 bytes per parameter on every rank; frozen stages keep bf16 weights, replicated when small and sharded otherwise; activations
 of every in-flight micro-batch (1F1B warm-up depth) under the chosen recompute / offload policy.
 """
 
@@ -141,6 +141,7 @@ class StageConfig:
     sync_s: float = 0.0  # gradient reduce-scatter, once per step (in the last micro-batch's backward)
     gather_once: bool = False  # FSDP parameters gathered once per step and kept (DeviceGroup.gather_once)
     reserved: float = 0.0  # bytes of other stages on the same ranks that ``memory`` includes
+    replicate: bool = False  # a trainable stage's parameters whole on every rank, gradients all-reduced (DDP)
 
     @property
     def own_memory(self) -> float:
@@ -206,9 +207,12 @@ class CostModel:
         reserved: float = 0.0,
         micro_batches: int = 1,
         gather_once: bool = False,
+        replicate: bool = False,
     ) -> StageConfig:
         """The configuration's times and peak memory (``reserved``: bytes other stages keep on its ranks;
-        ``gather_once``: a trainable stage's parameters gathered once per ``micro_batches`` and kept)."""
+        ``gather_once``: a trainable stage's parameters gathered once per ``micro_batches`` and kept;
+        ``replicate``: a trainable stage's whole parameters and optimizer state on every rank of its
+        group, gradients all-reduced once per step: DDP instead of FSDP)."""
         c, w = self.costs(stage), self.w
         sp = ulysses * ring
         n = samples
@@ -217,7 +221,11 @@ class CostModel:
         trainable = stage in w.trainable
         fwd_overhead = self.overhead(stage, "forward_overhead_s") * w.compute_fraction.get(stage, 1.0)
         bwd_overhead = self.overhead(stage, "backward_overhead_s")
-        if trainable and group > 1:  # FSDP2's hooks per action, as mmpipe profile's two-rank run measured them
+        replicate_trained = replicate and trainable and group > 1
+        gather_once = gather_once and trainable and group > 1 and not replicate_trained
+        if (
+            trainable and group > 1 and not replicate_trained
+        ):  # FSDP2's hooks per action, as mmpipe profile's two-rank run measured them
             fwd_overhead += self.overhead(stage, "sharded_forward_overhead_s")
             bwd_overhead += self.overhead(stage, "sharded_backward_overhead_s")
         fwd = fwd_overhead + n * c.forward_flops / sp / self.rate(stage, "forward")
@@ -245,8 +253,10 @@ class CostModel:
         fsdp = sync = 0.0
         width = self.cluster.dtype_bytes
         replicate = not trainable and (self.replicate_frozen or width * c.params <= 0.25 * self.budget)
-        gather_once = gather_once and trainable and group > 1
-        if group > 1 and (trainable or not replicate):
+        if replicate_trained:
+            # DDP: no gathers; the gradients' all-reduce once per step, the optimizer on plain tensors
+            sync = self.collective("all_reduce", width * c.params, group)
+        elif group > 1 and (trainable or not replicate):
             gather = self.collective("all_gather", width * c.params, group)
             fsdp = gather / micro_batches if gather_once else gather * (2 + recompute if train else 1)
             if trainable:
@@ -267,7 +277,10 @@ class CostModel:
             forward_s += exposed
         # Memory per rank.
         block_params = c.params / max(c.blocks, 1)
-        if trainable:
+        weights: float
+        if replicate_trained:
+            weights = ADAM_BYTES * c.params
+        elif trainable:
             weights = ADAM_BYTES * c.params / group + (width * c.params if gather_once else 2 * width * block_params)
         elif replicate or group == 1:
             weights = width * c.params
@@ -301,11 +314,14 @@ class CostModel:
             sync,
             gather_once,
             reserved,
+            replicate_trained,
         )
 
     def collective(self, kind: str, nbytes: float, ranks: int) -> float:
         """A ring collective over ``ranks`` consecutive ranks; the measured transport when calibrated."""
         measured = self.calibrated.collective_seconds(nbytes, ranks) if self.calibrated is not None else None
+        if measured is not None and kind == "all_reduce":
+            measured *= 2  # a reduce-scatter, then an all-gather
         return measured if measured is not None else self.cluster.collective_seconds(kind, nbytes, self._span(ranks))
 
     def costs(self, stage: str) -> StageCost:

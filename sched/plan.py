@@ -103,7 +103,10 @@ class DeviceGroup:
     step's last backward (instead of gathering them for every micro-batch's forward and backward);
     ``blocks``: an explicit policy per repeated block, one letter each (``k`` keep, ``o`` offload,
     ``r`` recompute, ``s`` selective recompute), which the runtime applies instead of the fractions
-    (these then count the blocks for the cost model)."""
+    (these then count the blocks for the cost model); ``replicate``: a trainable stage keeps whole
+    parameters and optimizer state on every rank of the group and all-reduces its gradients once
+    per step (DDP) instead of sharding them (FSDP2): for a model small enough that sharding saves
+    memory nobody needs and costs a gather per forward and sharded tensors in the optimizer step."""
 
     ranks: tuple[int, ...]
     dp: int = 1
@@ -113,6 +116,7 @@ class DeviceGroup:
     offload: float = 0.0
     gather_once: bool = False
     blocks: str = ""
+    replicate: bool = False
 
     def __post_init__(self) -> None:
         if self.blocks.strip("kors"):
@@ -129,6 +133,11 @@ class DeviceGroup:
         for key in ("recompute", "offload"):
             if not 0.0 <= getattr(self, key) <= 1.0:
                 raise PlanError(f"device group {list(self.ranks)}: {key}={getattr(self, key)} must be in [0, 1]")
+        if self.replicate and self.gather_once:
+            raise PlanError(
+                f"device group {list(self.ranks)}: gather_once applies to sharded (FSDP) parameters; "
+                "a replicated group keeps them whole (replicate and gather_once exclude each other)"
+            )
 
     @property
     def sp(self) -> int:
@@ -170,12 +179,14 @@ class DeviceGroup:
         return f"ranks=[{format_ranks(self.ranks)}] {self.options()}"
 
     def options(self) -> str:
-        """``dp=.. [ulysses=..] [ring=..] [recompute=..] [offload=..] [gather_once=1]`` (non-default ones)."""
+        """``dp=.. [ulysses=..] [ring=..] [recompute=..] [offload=..] [gather_once=1] [blocks=..]
+        [replicate=1]`` (non-default ones)."""
         out = [f"dp={self.dp}"]
         out += [f"{k}={getattr(self, k)}" for k in ("ulysses", "ring") if getattr(self, k) != 1]
         out += [f"{k}={getattr(self, k):g}" for k in ("recompute", "offload") if getattr(self, k)]
         out += ["gather_once=1"] if self.gather_once else []
         out += [f"blocks={self.blocks}"] if self.blocks else []
+        out += ["replicate=1"] if self.replicate else []
         return " ".join(out)
 
 
@@ -268,7 +279,16 @@ class Plan:
                 if m is None:
                     raise PlanError(f"line {n}: bad placement {line!r}")
                 opts = dict(kv.split("=") for kv in m[3].split())
-                unknown = set(opts) - {"dp", "ulysses", "ring", "recompute", "offload", "gather_once", "blocks"}
+                unknown = set(opts) - {
+                    "dp",
+                    "ulysses",
+                    "ring",
+                    "recompute",
+                    "offload",
+                    "gather_once",
+                    "blocks",
+                    "replicate",
+                }
                 if unknown:
                     raise PlanError(f"line {n}: unknown placement options {sorted(unknown)}")
                 group = DeviceGroup(
@@ -280,6 +300,7 @@ class Plan:
                     offload=float(opts.get("offload", 0)),
                     gather_once=opts.get("gather_once", "0") == "1",
                     blocks=opts.get("blocks", ""),
+                    replicate=opts.get("replicate", "0") == "1",
                 )
                 placement.append((m[1], group))
             elif head == "edge":

@@ -260,7 +260,29 @@ class Planner:
             )
             if self.model.fits(once) and once.time < best.time:
                 best = once
+            # Whole parameters on every rank and one all-reduce a step (DDP), when that step is faster:
+            # a small model, whose gathers and sharded optimizer step cost more than they save.
+            whole = self.model.configure(
+                stage,
+                best.samples,
+                dp,
+                best.ulysses,
+                best.ring,
+                best.recompute,
+                best.offload,
+                inflight=inflight,
+                reserved=reserved,
+                micro_batches=micro_batches,
+                replicate=True,
+            )
+            if self.model.fits(whole) and self._per_step(whole, micro_batches) < self._per_step(best, micro_batches):
+                best = whole
         return best
+
+    @staticmethod
+    def _per_step(c: StageConfig, micro_batches: int) -> float:
+        """A configuration's seconds per step on its ranks: every micro-batch's share, then the sync."""
+        return micro_batches * c.time + c.sync_s
 
     def memory_policy(self, keep: StageConfig, reserved: float = 0.0) -> StageConfig | None:
         """``keep`` (every activation kept, too big) with the cheapest counts of recomputed and

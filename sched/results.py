@@ -33,7 +33,9 @@ class Candidate:
 
     def placement(self) -> dict[str, DeviceGroup]:
         return {
-            s: DeviceGroup(self.ranks[s], c.dp, c.ulysses, c.ring, c.recompute, c.offload, c.gather_once)
+            s: DeviceGroup(
+                self.ranks[s], c.dp, c.ulysses, c.ring, c.recompute, c.offload, c.gather_once, replicate=c.replicate
+            )
             for s, c in self.configs.items()
         }
 
@@ -82,6 +84,7 @@ class PlanResult:
                     "recompute": c.recompute,
                     "offload": c.offload,
                     "gather_once": c.gather_once,
+                    "replicate": c.replicate,
                     "samples_per_replica": c.samples,
                     "forward_s": c.forward_s,
                     "backward_s": c.backward_s,
@@ -181,7 +184,9 @@ class PlanReport:
             f"{'gather':>6} {'fwd s/mb':>9} {'bwd s/mb':>9} {'mem GB':>7} {'bubble':>6}",
         ]
         for s, c in cand.configs.items():
-            gather = "step" if c.gather_once else "mb" if c.sync_s else "-"  # FSDP parameter all-gathers
+            # FSDP parameter all-gathers: once a step, every micro-batch, none (whole parameters: "ddp"
+            # for a replicated trainable stage, which all-reduces its gradients instead)
+            gather = "step" if c.gather_once else "ddp" if c.replicate else "mb" if c.sync_s else "-"
             lines.append(
                 f"{s:<10} {format_ranks(cand.ranks[s], max_runs=3):>13} {c.dp:>5} {c.ulysses:>4} {c.ring:>4} "
                 f"{c.recompute:>6.2f} {c.offload:>5.2f} {gather:>6} {c.forward_s:>9.3f} {c.backward_s:>9.3f} "
@@ -243,7 +248,8 @@ def describe(cand: Candidate) -> str:
             f" offload={c.offload:.2f}" if c.offload else ""
         )
         where = "" if cand.layout == "colocated" else f"ranks {format_ranks(cand.ranks[s], max_runs=2)} "
-        parts.append(f"{s} {where}{split}{policy}{' gather-once' if c.gather_once else ''}")
+        mode = " gather-once" if c.gather_once else " replicated" if c.replicate else ""
+        parts.append(f"{s} {where}{split}{policy}{mode}")
     return f"{cand.layout}, {cand.micro_batches} x {cand.micro_batch} samples: " + "; ".join(parts)
 
 
@@ -325,6 +331,7 @@ def placement_config(placement: Mapping[str, DeviceGroup]) -> dict[str, dict[str
             "offload": g.offload,
             "gather_once": g.gather_once,
             "blocks": g.blocks,
+            "replicate": g.replicate,
         }
         for stage, g in placement.items()
     }
@@ -334,9 +341,9 @@ def parse_placement(raw: Mapping[str, Sequence[int] | Mapping[str, object]]) -> 
     """``{text: [0], dit: {ranks: [1, 2], dp: 2}}`` -> ``{stage: DeviceGroup}`` (config form)."""
     out = {}
     for stage, spec in raw.items():
-        blocks = ""
+        blocks, replicate = "", False
         if isinstance(spec, Mapping):
-            allowed = {"ranks", "dp", "ulysses", "ring", "recompute", "offload", "gather_once", "blocks"}
+            allowed = {"ranks", "dp", "ulysses", "ring", "recompute", "offload", "gather_once", "blocks", "replicate"}
             unknown = set(spec) - allowed
             if unknown:
                 raise PlanError(f"placement.{stage}: unknown keys {sorted(unknown)} (allowed: {sorted(allowed)})")
@@ -356,6 +363,15 @@ def parse_placement(raw: Mapping[str, Sequence[int] | Mapping[str, object]]) -> 
             gather_once = spec.get("gather_once", False)
             if not isinstance(gather_once, bool):
                 raise PlanError(f"placement.{stage}.gather_once must be true or false, got {gather_once!r}")
+            raw_replicate = spec.get("replicate", False)
+            if not isinstance(raw_replicate, bool):
+                raise PlanError(f"placement.{stage}.replicate must be true or false, got {raw_replicate!r}")
+            replicate = raw_replicate
+            if replicate and gather_once:
+                raise PlanError(
+                    f"placement.{stage}: replicate=true keeps whole parameters on every rank; gather_once=true "
+                    "is for sharded (FSDP) ones: set one of them"
+                )
             raw_blocks = spec.get("blocks") or ""
             if not isinstance(raw_blocks, str):
                 raise PlanError(f"placement.{stage}.blocks must be a string of k, o, r and s, got {raw_blocks!r}")
@@ -375,5 +391,6 @@ def parse_placement(raw: Mapping[str, Sequence[int] | Mapping[str, object]]) -> 
             offload=extra.get("offload", 0.0),
             gather_once=gather_once,
             blocks=blocks,
+            replicate=replicate,
         )
     return out

@@ -86,13 +86,19 @@ def apply_parallel(
 
 def check_stage_support(graph: Graph, placement: dict[str, DeviceGroup], cfg: RunConfig) -> None:
     """Each stage can take its placement: sequence-parallel degrees (capabilities, head counts, a
-    token share on every rank), activation offload, parameters gathered once per step, and the
-    DiT kernels of ``model.kernels``."""
+    token share on every rank), activation offload, parameters gathered once per step or replicated,
+    and the DiT kernels of ``model.kernels``."""
     for stage, group in placement.items():
         if group.gather_once and (graph.stages[stage].frozen or len(group.ranks) == 1):
             raise PlanError(
                 f"placement.{stage}.gather_once=true: only a trainable stage sharded (FSDP) over several ranks "
                 f"gathers its parameters; {stage!r} is {'frozen' if graph.stages[stage].frozen else 'on one rank'}"
+            )
+        if group.replicate and (graph.stages[stage].frozen or len(group.ranks) == 1):
+            raise PlanError(
+                f"placement.{stage}.replicate=true: only a trainable stage over several ranks chooses between "
+                f"sharded (FSDP) and replicated (DDP) parameters; {stage!r} is "
+                f"{'frozen (its weights are whole on every rank already)' if graph.stages[stage].frozen else 'on one rank'}"
             )
         if group.sp > 1:
             graph.stages[stage].check_sequence_parallel(group.ulysses, group.ring)

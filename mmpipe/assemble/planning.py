@@ -112,6 +112,9 @@ def predict(
             g.recompute,
             g.offload,
             inflight=planner.inflight_micro_batches(s, micro_batches),
+            micro_batches=micro_batches,
+            gather_once=g.gather_once,
+            replicate=g.replicate,
         )
         configs[s] = cfg
     colocated = len({placement[s].ranks for s in workload.order}) == 1

@@ -103,6 +103,8 @@ class Executor:
             check_split(stage, group, batch_size, backward=stage in plan.backward)
         self.local = plan.stages_on(self.rank)
         self.optimizers: dict[str, StageOptim] = {}  # filled by the trainer for local trainable stages
+        # replicated (DDP) trainable stages: the process group their gradients are all-reduced over
+        self._replicated: dict[str, dist.ProcessGroup] = {}
         self.modules: dict[str, nn.Module] = {s: self._build(s) for s in self.local}
         # frozen stages fed only by the data, whole on this rank's rows: kept per sample when run()
         # is given sample keys (mmpipe.runtime.frozen_cache)
@@ -122,7 +124,7 @@ class Executor:
         }
 
     def _build(self, stage: str) -> nn.Module:
-        # Order (DESIGN.md): kernels -> sequence parallel -> activation policy -> compile -> FSDP2.
+        # Order (DESIGN.md): kernels -> sequence parallel -> activation policy -> compile -> FSDP2 (or DDP).
         st = self.graph.stages[stage]
         module = st.module
         group = self.groups[stage]
@@ -140,7 +142,15 @@ class Executor:
         if self.compile_blocks and not st.frozen:
             compile_blocks(module)
         mesh = self.mesh.fsdp_mesh(stage)
-        if mesh is not None and not st.frozen:
+        if mesh is not None and not st.frozen and group.replicate:
+            # DDP: whole parameters on every rank of the group, made bitwise alike from its first rank;
+            # the gradients are all-reduced once per step, in the last micro-batch's backward (_backward).
+            pg = mesh.get_group()
+            with torch.no_grad():
+                for p in module.parameters():
+                    dist.broadcast(p, src=group.ranks[0], group=pg)
+            self._replicated[stage] = pg
+        elif mesh is not None and not st.frozen:
             # FSDP2 averages gradients over the group (gloo has no pre-scaled sum); _backward
             # seeds each rank's backward (group size) times its share so that the average is the sum.
             # gather_once: keep the gathered parameters from the step's first forward to its last
@@ -411,6 +421,24 @@ class Executor:
                 self._accumulate(e, mb, self.rank, grad, st)
             st.pending_grads[(e.src, stage, mb)][(e.src_port, e.dst_port)] = grad
         del st.outputs[(stage, mb)]
+        if stage in self._replicated and mb == st.last_backward[stage]:
+            self._all_reduce_gradients(stage, n)
+
+    def _all_reduce_gradients(self, stage: str, n: int) -> None:
+        """A replicated stage's gradients averaged over its group: one flat all-reduce of every
+        parameter's gradient (a parameter without one contributes zeros, so every rank agrees).
+        With the backward seeded ``n`` times each rank's share (above), the average is the sum of
+        the shares, as FSDP2's reduce-scatter gives a sharded stage."""
+        params = [p for p in self.modules[stage].parameters() if p.requires_grad]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self._replicated[stage])
+        flat.div_(n)
+        at = 0
+        for p, g in zip(params, grads, strict=True):
+            size = g.numel()
+            p.grad = flat[at : at + size].view_as(p)
+            at += size
 
     def _accumulate(self, e: Edge, mb: int, peer: int, grad: torch.Tensor, st: _StepState) -> None:
         """Add the gradient ``peer`` computed for its part of ``e``'s tensor into this rank's output gradient

@@ -112,6 +112,26 @@ def test_data_parallel_dit_matches_within_reordering_tolerance(reference: Path, 
         torch.testing.assert_close(pg[k], pr[k], rtol=1e-5, atol=5e-5, msg=k)
 
 
+def test_replicated_data_parallel_dit_matches_the_single_process_run(reference: Path, tmp_path: Path) -> None:
+    """``replicate``: the DiT whole on both ranks (DDP), its gradients all-reduced once per step
+    instead of reduce-scattered: the single-process run within the data-parallel tolerance above,
+    and the checkpoint (one copy of each tensor, however many ranks hold it) loads as the DiT's."""
+    run(tmp_path, 3, {"text": [0], "vae": [0], "dit": {"ranks": [1, 2], "dp": 2, "replicate": True}})
+    ref, got = read_metrics(reference), read_metrics(tmp_path)
+    for r, g in zip(ref[1:], got[1:], strict=True):
+        assert g["loss"] == pytest.approx(r["loss"], rel=1e-5)
+        assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-5)
+    assert got[-1]["val_loss"] == pytest.approx(ref[-1]["val_loss"], rel=1e-5)
+    pr, pg = dit_params(reference), dit_params(tmp_path)
+    assert pr.keys() == pg.keys()
+    for k in pr:
+        torch.testing.assert_close(pg[k], pr[k], rtol=1e-5, atol=5e-5, msg=k)
+    initial = WanTransformer3DModel.from_pretrained(tmp_path / "pipeline" / "transformer").state_dict()
+    assert any(not torch.equal(initial[k], pg[k]) for k in initial)  # it trained
+    plan = (tmp_path / "plan.txt").read_text()
+    assert "place dit ranks=1,2 dp=2 replicate=1" in plan
+
+
 def test_parameters_gathered_once_per_step_match_gathering_per_micro_batch(tmp_path: Path) -> None:
     """``gather_once``: FSDP2 keeps the DiT's gathered parameters from the step's first forward to its
     last backward; the gradients are reduce-scattered the same way, so training is bitwise the same."""

@@ -24,14 +24,23 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-@pytest.mark.parametrize(("ulysses", "ring"), [(2, 1), (1, 2)], ids=["ulysses2", "ring2"])
-def test_dit_split_over_two_ranks_matches_unsplit_run(reference: Path, tmp_path: Path, ulysses: int, ring: int) -> None:
+@pytest.mark.parametrize(
+    ("ulysses", "ring", "replicate"),
+    [(2, 1, False), (1, 2, False), (2, 1, True)],
+    ids=["ulysses2", "ring2", "ulysses2-replicated"],
+)
+def test_dit_split_over_two_ranks_matches_unsplit_run(
+    reference: Path, tmp_path: Path, ulysses: int, ring: int, replicate: bool
+) -> None:
+    # replicated: the two sequence halves' weight gradients all-reduced (DDP) instead of reduce-scattered
+    dit = {"ranks": [1, 2], "replicate": True} if replicate else [1, 2]
     run(
         tmp_path,
         3,
-        {"text": [0], "vae": [0], "dit": [1, 2]},
+        {"text": [0], "vae": [0], "dit": dit},
         parallel={"dit": StageParallelConfig(ulysses=ulysses, ring=ring)},
     )
+    assert ("replicate=1" in (tmp_path / "plan.txt").read_text()) == replicate
     ref, got = read_metrics(reference), read_metrics(tmp_path)
     # The split reassociates float32 sums: attention's softmax through LSE merges, each weight
     # gradient as two token halves plus an FSDP reduce-scatter (~1e-7 relative per op), carried

@@ -185,6 +185,18 @@ def test_qwen_text_encoder_preset_trains(tmp_path: Path) -> None:
             "train.lr_scale.llm: no trainable stage 'llm'; trainable stages: ['dit']",
         ),
         (
+            ["train", "launch.nproc=2", "placement={text:[0],vae:{ranks:[0,1],replicate:true},dit:[1]}"],
+            "placement.vae.replicate=true: only a trainable stage over several ranks",
+        ),
+        (
+            [
+                "train",
+                "launch.nproc=2",
+                "placement={text:[0],vae:[0],dit:{ranks:[0,1],replicate:true,gather_once:true}}",
+            ],
+            "placement.dit: replicate=true keeps whole parameters on every rank; gather_once=true",
+        ),
+        (
             [
                 "train",
                 "data.frames=5",

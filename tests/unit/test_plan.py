@@ -26,6 +26,7 @@ PLACEMENTS = [
     (T2V, {"text": [0], "vae": [0], "dit": [1]}, 2),
     (T2V, {"text": [0], "vae": [1], "dit": [2]}, 3),
     (T2V, {"text": [0], "vae": [0], "dit": {"ranks": [1, 2], "dp": 2}}, 3),
+    (T2V, {"text": [0, 1], "vae": [0, 1], "dit": {"ranks": [0, 1], "dp": 2, "replicate": True}}, 2),
     (U2G, {"vit": [0], "llm": [1], "connector": [1], "dit": [2]}, 3),
     (U2G, {"vit": [0], "llm": {"ranks": [1, 2], "dp": 2}, "connector": [3], "dit": [3]}, 4),
     (U2G, {"vit": [0], "llm": {"ranks": [0, 1], "dp": 2}, "connector": {"ranks": [0, 1], "dp": 2}, "dit": [1]}, 2),
@@ -208,6 +209,12 @@ def test_placement_config_errors() -> None:
         parse_placement({"dit": {"ranks": [1, 2], "dp": 3}})
     with pytest.raises(PlanError, match=r"placement.dit: unknown keys \['sp'\]"):
         parse_placement({"dit": {"ranks": [1], "sp": 2}})
+    with pytest.raises(PlanError, match=r"placement.dit.replicate must be true or false, got 'yes'"):
+        parse_placement({"dit": {"ranks": [0, 1], "replicate": "yes"}})
+    with pytest.raises(PlanError, match=r"placement.dit: replicate=true keeps whole parameters"):
+        parse_placement({"dit": {"ranks": [0, 1], "replicate": True, "gather_once": True}})
+    with pytest.raises(PlanError, match=r"replicate and gather_once exclude each other"):
+        DeviceGroup((0, 1), 2, gather_once=True, replicate=True)
     with pytest.raises(PlanError, match="missing \\['vae'\\], unknown \\['vea'\\]"):
         build_plan(T2V, parse_placement({"text": [0], "vea": [0], "dit": [1]}), 2, world_size=2)
 

@@ -400,6 +400,57 @@ def test_a_sharded_stage_pays_what_profile_measured_fsdp_adds() -> None:
     assert sharded.configure("vae", 2, 2, 1, 1, 0.0, 0.0) == plain.configure("vae", 2, 2, 1, 1, 0.0, 0.0)  # frozen
 
 
+def test_a_replicated_stage_all_reduces_instead_of_gathering_and_keeps_whole_state() -> None:
+    # replicate=True (DDP): no FSDP gathers nor the sharded overheads profile measured; one
+    # all-reduce of the gradients a step (twice a reduce-scatter's bytes); its memory (16 bytes a
+    # parameter on every rank) in the test below. A frozen or single-rank stage has nothing to replicate.
+    cluster = Cluster.local(2)
+    workload, cal = tiny_bundle_workload(), fixed_cost_calibration(cluster)
+    extra = {"sharded_forward_overhead_s": 0.001, "sharded_backward_overhead_s": 0.002, "sharded_step_overhead_s": 0.03}
+    model = CostModel(
+        cluster, workload, dataclasses.replace(cal, stages={**cal.stages, "dit": {**cal.stages["dit"], **extra}})
+    )
+    plain = CostModel(cluster, workload, cal)
+    sharded = model.configure("dit", 2, 2, 1, 1, 0.0, 0.0)
+    whole = model.configure("dit", 2, 2, 1, 1, 0.0, 0.0, replicate=True)
+    assert whole.replicate and not sharded.replicate
+    unsharded = plain.configure("dit", 2, 1, 1, 1, 0.0, 0.0)  # the same compute on one rank's share
+    assert whole.forward_s == pytest.approx(unsharded.forward_s)
+    assert whole.backward_s == pytest.approx(unsharded.backward_s)
+    params = workload.costs["dit"].params * cluster.dtype_bytes
+    assert whole.sync_s == pytest.approx(cluster.collective_seconds("all_reduce", params, range(2)))
+    assert whole.sync_s < sharded.sync_s  # no 30 ms sharded step
+    assert model.configure("dit", 2, 1, 1, 1, 0.0, 0.0, replicate=True) == model.configure("dit", 2, 1, 1, 1, 0.0, 0.0)
+    assert model.configure("vae", 2, 2, 1, 1, 0.0, 0.0, replicate=True) == model.configure("vae", 2, 2, 1, 1, 0.0, 0.0)
+
+
+def test_the_planner_replicates_a_small_trainable_stage_when_sharding_costs_more() -> None:
+    # With the 30 ms sharded step profile measured on a CPU, a small DiT split over both ranks
+    # runs faster replicated; with sharding free (uncalibrated) and memory tight, it stays sharded.
+    cluster = Cluster.local(2)
+    workload, cal = tiny_bundle_workload(), fixed_cost_calibration(cluster)
+    extra = {"sharded_forward_overhead_s": 0.001, "sharded_backward_overhead_s": 0.002, "sharded_step_overhead_s": 0.03}
+    costly = dataclasses.replace(cal, stages={**cal.stages, "dit": {**cal.stages["dit"], **extra}})
+    planner = Planner(workload, cluster, calibration=costly, micro_batches=2, max_sequence_parallel=1)
+    got = planner.best_config("dit", 4, 2, 2, sp=[(1, 1)])
+    assert got is not None and got.replicate and not got.gather_once
+    # memory for the sharded configuration (Adam state / 2, two gathered blocks of eight) but not for
+    # whole parameters and Adam state on each rank
+    blocks = {**workload.costs, "dit": dataclasses.replace(workload.costs["dit"], blocks=8)}
+    workload = Workload.of("tiny", workload.graph, blocks, workload.global_batch)
+    model = CostModel(cluster, workload, costly)
+    sharded_cfg, whole = (model.configure("dit", 2, 2, 1, 1, 0.0, 0.0, replicate=r) for r in (False, True))
+    assert sharded_cfg.memory < whole.memory
+    between = (sharded_cfg.memory + whole.memory) / 2 / USABLE_MEMORY
+    tight = Planner(
+        workload, dataclasses.replace(cluster, memory_bytes=between), calibration=costly, micro_batches=2,
+        max_sequence_parallel=1, memory_policies=False,
+    )  # fmt: skip
+    kept = tight.best_config("dit", 4, 2, 2, sp=[(1, 1)])
+    assert kept is not None and not kept.replicate
+    assert "replicate=1" in DeviceGroup((0, 1), 2, replicate=True).options()
+
+
 def test_bundles_put_a_light_encoder_with_the_trainable_stage() -> None:
     # Two CPU ranks with fixed costs per action (as `mmpipe profile` measures them on this
     # machine: the VAE's 40 ms dominate): splitting every stage over both ranks pays each fixed
