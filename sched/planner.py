@@ -244,37 +244,30 @@ class Planner:
             if cfg is not None and (best is None or cfg.time < best.time):
                 best = cfg
         if best is not None and stage in self.w.trainable and best.ranks > 1:
+            kept = best
+
+            def variant(**how: bool) -> StageConfig:  # best's layout and memory policy, parameters handled as ``how``
+                return self.model.configure(
+                    stage,
+                    kept.samples,
+                    dp,
+                    kept.ulysses,
+                    kept.ring,
+                    kept.recompute,
+                    kept.offload,
+                    inflight=inflight,
+                    reserved=reserved,
+                    micro_batches=micro_batches,
+                    **how,
+                )
+
             # Parameters gathered once per step: their memory for fewer gathers, when those are exposed.
-            once = self.model.configure(
-                stage,
-                best.samples,
-                dp,
-                best.ulysses,
-                best.ring,
-                best.recompute,
-                best.offload,
-                inflight=inflight,
-                reserved=reserved,
-                micro_batches=micro_batches,
-                gather_once=True,
-            )
+            once = variant(gather_once=True)
             if self.model.fits(once) and once.time < best.time:
                 best = once
             # Whole parameters on every rank and one all-reduce a step (DDP), when that step is faster:
             # a small model, whose gathers and sharded optimizer step cost more than they save.
-            whole = self.model.configure(
-                stage,
-                best.samples,
-                dp,
-                best.ulysses,
-                best.ring,
-                best.recompute,
-                best.offload,
-                inflight=inflight,
-                reserved=reserved,
-                micro_batches=micro_batches,
-                replicate=True,
-            )
+            whole = variant(replicate=True)
             if self.model.fits(whole) and self._per_step(whole, micro_batches) < self._per_step(best, micro_batches):
                 best = whole
         return best
