@@ -88,6 +88,7 @@ from mmpipe.config import DataConfig, LaunchConfig, ModelConfig, RunConfig, Trai
 from mmpipe.errors import RUN_FAILURES
 from mmpipe.graph import Graph
 from mmpipe.runtime.events import read_events
+from mmpipe.sched.plan import DeviceGroup
 from mmpipe.sched.results import parse_placement
 from mmpipe.train import train
 from mmpipe.train.prepare import resolve_auto
@@ -266,15 +267,7 @@ def name_of(placement: Placement, candidates: list[Candidate]) -> str | None:
 
 def compact(placement: Placement) -> Placement:
     """The config form without the fields at their defaults."""
-    defaults = {
-        "ulysses": 1,
-        "ring": 1,
-        "recompute": 0.0,
-        "offload": 0.0,
-        "gather_once": False,
-        "blocks": "",
-        "replicate": False,
-    }
+    defaults = {f.name: f.default for f in dataclasses.fields(DeviceGroup) if f.name not in ("ranks", "dp")}
     out: Placement = {}
     for stage, g in placement.items():
         if not isinstance(g, dict):

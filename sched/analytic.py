@@ -4,8 +4,9 @@ degrees, memory policy, micro-batch size).
 
 The memory model per rank: trainable stages keep fp32 master weights, gradients and Adam moments
 sharded over their whole group (FSDP, 16 bytes per parameter / group size) plus two gathered bf16
-blocks, or, replicated (DDP), all 16 bytes per parameter on every rank; frozen stages keep bf16 weights, replicated when small and sharded otherwise; activations
-of every in-flight micro-batch (1F1B warm-up depth) under the chosen recompute / offload policy.
+blocks, or, replicated (DDP), all 16 bytes per parameter on every rank; frozen stages keep bf16
+weights, replicated when small and sharded otherwise; activations of every in-flight micro-batch
+(1F1B warm-up depth) under the chosen recompute / offload policy.
 """
 
 from __future__ import annotations
@@ -222,10 +223,9 @@ class CostModel:
         fwd_overhead = self.overhead(stage, "forward_overhead_s") * w.compute_fraction.get(stage, 1.0)
         bwd_overhead = self.overhead(stage, "backward_overhead_s")
         replicate_trained = replicate and trainable and group > 1
-        gather_once = gather_once and trainable and group > 1 and not replicate_trained
-        if (
-            trainable and group > 1 and not replicate_trained
-        ):  # FSDP2's hooks per action, as mmpipe profile's two-rank run measured them
+        sharded = trainable and group > 1 and not replicate_trained
+        gather_once = gather_once and sharded
+        if sharded:  # FSDP2's hooks per action, as mmpipe profile's two-rank run measured them
             fwd_overhead += self.overhead(stage, "sharded_forward_overhead_s")
             bwd_overhead += self.overhead(stage, "sharded_backward_overhead_s")
         fwd = fwd_overhead + n * c.forward_flops / sp / self.rate(stage, "forward")

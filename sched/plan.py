@@ -190,6 +190,10 @@ class DeviceGroup:
         return " ".join(out)
 
 
+# The options of a device group besides its ranks (a plan's ``place`` line, a placement's keys).
+GROUP_OPTIONS = frozenset(f.name for f in dataclasses.fields(DeviceGroup)) - {"ranks"}
+
+
 def format_ranks(ranks: Sequence[int], *, max_runs: int | None = None) -> str:
     """``0-3,8`` for ranks 0, 1, 2, 3, 8; with more than ``max_runs`` runs, ``first,...,last (count)``."""
     runs: list[list[int]] = []
@@ -279,16 +283,7 @@ class Plan:
                 if m is None:
                     raise PlanError(f"line {n}: bad placement {line!r}")
                 opts = dict(kv.split("=") for kv in m[3].split())
-                unknown = set(opts) - {
-                    "dp",
-                    "ulysses",
-                    "ring",
-                    "recompute",
-                    "offload",
-                    "gather_once",
-                    "blocks",
-                    "replicate",
-                }
+                unknown = set(opts) - GROUP_OPTIONS
                 if unknown:
                     raise PlanError(f"line {n}: unknown placement options {sorted(unknown)}")
                 group = DeviceGroup(

@@ -10,7 +10,7 @@ from typing import Any
 
 from mmpipe.errors import PlanError
 from mmpipe.sched.analytic import StageConfig
-from mmpipe.sched.plan import DeviceGroup, Plan, format_ranks
+from mmpipe.sched.plan import GROUP_OPTIONS, DeviceGroup, Plan, format_ranks
 from mmpipe.sched.schedule import GraphInfo, ScheduleKind, build_plan
 
 
@@ -343,7 +343,7 @@ def parse_placement(raw: Mapping[str, Sequence[int] | Mapping[str, object]]) -> 
     for stage, spec in raw.items():
         blocks, replicate = "", False
         if isinstance(spec, Mapping):
-            allowed = {"ranks", "dp", "ulysses", "ring", "recompute", "offload", "gather_once", "blocks", "replicate"}
+            allowed = {"ranks", *GROUP_OPTIONS}
             unknown = set(spec) - allowed
             if unknown:
                 raise PlanError(f"placement.{stage}: unknown keys {sorted(unknown)} (allowed: {sorted(allowed)})")

@@ -38,25 +38,14 @@ def test_unclamped_decode_is_the_decode_before_its_clamp() -> None:
 
 
 def test_training_command_writes_a_loadable_vae_with_latent_statistics(tmp_path: Path) -> None:
-    metrics = train_shapes_vae(
-        tmp_path / "vae", steps=2, batch=1, train_frames=1, frames=5, height=32, width=32, progress=False
-    )
+    tiny = {"batch": 1, "train_frames": 1, "frames": 5, "height": 32, "width": 32, "progress": False}
+    metrics = train_shapes_vae(tmp_path / "vae", steps=2, **tiny)
     vae = AutoencoderKLWan.from_pretrained(tmp_path / "vae")
     assert len(vae.config.latents_std) == CONFIG["z_dim"] and all(s > 0 for s in vae.config.latents_std)
     saved = json.loads((tmp_path / "vae" / "metrics.json").read_text())
     assert saved == metrics and saved["steps"] == 2
     assert vae.config.is_residual and saved["residual"]  # CONFIG's Wan 2.2 residual blocks
-    old = train_shapes_vae(
-        tmp_path / "wan21",
-        steps=1,
-        batch=1,
-        train_frames=1,
-        frames=5,
-        height=32,
-        width=32,
-        wan21_blocks=True,
-        progress=False,
-    )
+    old = train_shapes_vae(tmp_path / "wan21", steps=1, wan21_blocks=True, **tiny)
     assert not old["residual"] and not AutoencoderKLWan.from_pretrained(tmp_path / "wan21").config.is_residual
 
 
