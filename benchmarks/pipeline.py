@@ -13,10 +13,12 @@ parameters gathered once per step (``dp+once``) or whole on both ranks, its grad
 whole parameters: ``ulysses2+ddp``). Units: the VAE, the DiT, and the stages that make the DiT's context grouped by
 ``--context``: ``roles`` (default: each run of them with one role, frozen or trained; t2v: text;
 u2g: vision | LLM + connector), ``tied`` (all in one unit) or ``separate`` (each alone; u2g: 203
-placements). Dropped: placements that leave a rank idle, and one of each mirror pair (ranks 0 and
+placements). A trained unit besides the DiT (u2g's LLM + connector) may also be data-parallel with whole
+parameters (``dp+ddp``). Dropped: placements that leave a rank idle, and one of each mirror pair (ranks 0 and
 1 swapped: the same two processes on one machine). A placement the config check rejects before any
 worker starts is listed in ``skipped`` with the error, one that fails while running with the failure.
-The data-parallel baselines (every unit ``dp``, the DiT ``dp``, ``dp+once`` or ``dp+ddp``) are among them.
+The data-parallel baselines (every unit ``dp``, the DiT ``dp``, ``dp+once`` or ``dp+ddp``; and
+every trained unit ``dp+ddp``, the frozen ones ``dp``) are among them.
 
 Workloads (sizes not tuned: the presets, or one stated doubling):
   default    the embedded default (``t2v_tiny``, 17 x 64 x 64 clips);
@@ -108,6 +110,7 @@ OPTIONS: dict[str, Any] = {
 }
 DIT_OPTIONS = ("0", "1", "dp", "dp+once", "dp+ddp", "ulysses2", "ulysses2+ddp")
 UNIT_OPTIONS = ("0", "1", "dp")
+TRAINED_UNIT_OPTIONS = (*UNIT_OPTIONS, "dp+ddp")  # a trained unit besides the DiT (u2g's LLM + connector)
 MIRROR = {"0": "1", "1": "0"}
 DATA_PARALLEL = ("dp", "dp+once", "dp+ddp")  # every unit data-parallel, the DiT with one of these
 
@@ -219,14 +222,26 @@ def canonical(codes: tuple[str, ...]) -> bool:
 def enumerate_placements(graph: Graph, context: str) -> list[Candidate]:
     """Every assignment of the units to rank 0 / rank 1 / both that keeps both ranks busy, one per mirror pair."""
     us = units(graph, context)
-    choices = [DIT_OPTIONS if u == ("dit",) else UNIT_OPTIONS for u in us]
+    choices = [
+        DIT_OPTIONS
+        if u == ("dit",)
+        else UNIT_OPTIONS
+        if all(graph.stages[s].frozen for s in u)
+        else TRAINED_UNIT_OPTIONS
+        for u in us
+    ]
     out = []
     for codes in itertools.product(*choices):
         if set().union(*(touches(c) for c in codes)) != {0, 1} or not canonical(codes):
             continue
         placement = {s: OPTIONS[c] for u, c in zip(us, codes, strict=True) for s in u}
         name = " ".join(f"{'+'.join(u)}@{c}" for u, c in zip(us, codes, strict=True))
-        data_parallel = all(c == "dp" for c in codes[:-1]) and codes[-1] in DATA_PARALLEL
+        # every unit on both ranks: the DiT as DATA_PARALLEL offers, the other trained units FSDP or,
+        # with the DiT replicated, replicated too
+        context_codes = set(codes[:-1])
+        data_parallel = codes[-1] in DATA_PARALLEL and (
+            context_codes == {"dp"} or (context_codes == {"dp", "dp+ddp"} and codes[-1] == "dp+ddp")
+        )
         out.append(Candidate(name, placement, data_parallel))
     return out
 

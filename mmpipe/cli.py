@@ -124,7 +124,7 @@ def _run_profile(raw: dict[str, Any]) -> None:
     cal = profile(
         cfg.model,
         cfg.data,
-        micro_sizes=(cfg.micro_size, 2 * cfg.micro_size),
+        micro_sizes=tuple(cfg.micro_sizes),
         micro_batches=cfg.micro_batches,
         steps=cfg.steps,
         warmup=cfg.warmup,
@@ -132,11 +132,16 @@ def _run_profile(raw: dict[str, Any]) -> None:
         device=cfg.device,
     )
     for stage, entry in cal.stages.items():
-        parts = [
-            f"{k} {entry[k]:.2%} of peak + {entry[k + '_overhead_s'] * 1e3:.1f} ms"
-            for k in ("forward", "backward")
-            if k in entry
-        ]
+        parts = []
+        for k in ("forward", "backward"):
+            if k not in entry:
+                continue
+            line = f"{k} {entry[k]:.2%} of peak + {entry[k + '_overhead_s'] * 1e3:.1f} ms"
+            for key in entry:  # the lines through smaller sizes
+                if key.startswith(f"{k}_upto_"):
+                    n = key.removeprefix(f"{k}_upto_")
+                    line += f" (below {n} samples: {entry[key]:.2%} + {entry[f'{k}_overhead_s_upto_{n}'] * 1e3:.1f} ms)"
+            parts.append(line)
         if "step_s" in entry:
             parts.append(f"optimizer step {entry['step_s'] * 1e3:.1f} ms")
         if "sharded_step_overhead_s" in entry:

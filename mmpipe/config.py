@@ -8,6 +8,7 @@ dotted key in the message. Library code only ever sees the dataclasses.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import types
 import typing
@@ -587,11 +588,11 @@ class ProfileConfig:
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA when a GPU is visible
-    # samples per micro-batch of the first run; the second run doubles it. 2 and 4: the sizes a
-    # default run's micro-batch (4) and a data-parallel replica's share of it (2) are priced at (the
-    # tiny VAE's time is flat from 1 to 2 clips and grows from 2 to 4: a fit through 1 and 2 priced
-    # 4 clips at 119 ms, measured 190)
-    micro_size: int = 2
+    # samples per micro-batch of each single-rank run, growing: one line per neighbouring pair prices
+    # the actions between them. 1, 2 and 4: the sizes a run's micro-batch (2 to 4 samples) and a
+    # data-parallel replica's share of it (1 to 2) are priced at; an action's time is not one line
+    # through them (the tiny VAE's encode: 126 / 100-107 / 187-191 ms for 1 / 2 / 4 clips)
+    micro_sizes: list[int] = dataclasses.field(default_factory=lambda: [1, 2, 4])
     micro_batches: int = 4
     steps: int = 6
     warmup: int = 2
@@ -599,7 +600,10 @@ class ProfileConfig:
     out: str | None = None
 
     def __post_init__(self) -> None:
-        _positive("profile", self, "micro_size", "micro_batches", "steps")
+        _positive("profile", self, "micro_batches", "steps")
+        sizes = self.micro_sizes
+        if len(sizes) < 2 or sizes[0] <= 0 or any(a >= b for a, b in itertools.pairwise(sizes)):
+            raise ValueError(f"micro_sizes={sizes}: two or more growing positive micro-batch sizes, e.g. [1, 2, 4]")
         if self.warmup < 0 or self.threads < 0:
             raise ValueError("warmup and threads must be >= 0")
         if self.steps <= self.warmup + 1:

@@ -180,16 +180,25 @@ class CostModel:
         """The calibration when it was measured on this cluster's device kind."""
         return self.cal if self.cal is not None and self.cal.device == self.cluster.device else None
 
-    def efficiency(self, stage: str, direction: str) -> float:
+    def efficiency(self, stage: str, direction: str, samples: float | None = None) -> float:
+        """The achieved fraction of peak of ``stage``'s ``direction``, for actions of ``samples``
+        samples where the calibration measured more than one line (None: the largest sizes')."""
+        return self.line(stage, direction, samples)[0]
+
+    def line(self, stage: str, direction: str, samples: float | None = None) -> tuple[float, float]:
+        """The efficiency and fixed seconds per action of ``stage``'s ``direction`` for actions of
+        ``samples`` samples (:meth:`Calibration.line`); uncalibrated: the cluster's efficiency, no fixed cost."""
         cal = self.calibrated
-        return cal.efficiency(stage, direction, self.cluster.efficiency) if cal else self.cluster.efficiency
+        if cal is None:
+            return self.cluster.efficiency, 0.0
+        return cal.line(stage, direction, math.inf if samples is None else samples, self.cluster.efficiency)
 
     def overhead(self, stage: str, key: str) -> float:
         cal = self.calibrated
         return cal.value(stage, key) if cal else 0.0
 
-    def rate(self, stage: str, direction: str) -> float:
-        return self.cluster.peak_flops * self.efficiency(stage, direction)
+    def rate(self, stage: str, direction: str, samples: float | None = None) -> float:
+        return self.cluster.peak_flops * self.efficiency(stage, direction, samples)
 
     def _span(self, n: int) -> range:
         return range(min(n, self.cluster.world_size))  # groups start on level boundaries
@@ -220,19 +229,22 @@ class CostModel:
         group = dp * sp
         train = stage in w.backward
         trainable = stage in w.trainable
-        fwd_overhead = self.overhead(stage, "forward_overhead_s") * w.compute_fraction.get(stage, 1.0)
-        bwd_overhead = self.overhead(stage, "backward_overhead_s")
+        at = n / sp  # samples an action of this configuration computes per rank: which calibrated line prices it
+        fwd_eff, fwd_overhead = self.line(stage, "forward", at)
+        bwd_eff, bwd_overhead = self.line(stage, "backward", at)
+        fwd_rate, bwd_rate = self.cluster.peak_flops * fwd_eff, self.cluster.peak_flops * bwd_eff
+        fwd_overhead *= w.compute_fraction.get(stage, 1.0)
         replicate_trained = replicate and trainable and group > 1
         sharded = trainable and group > 1 and not replicate_trained
         gather_once = gather_once and sharded
         if sharded:  # FSDP2's hooks per action, as mmpipe profile's two-rank run measured them
             fwd_overhead += self.overhead(stage, "sharded_forward_overhead_s")
             bwd_overhead += self.overhead(stage, "sharded_backward_overhead_s")
-        fwd = fwd_overhead + n * c.forward_flops / sp / self.rate(stage, "forward")
+        fwd = fwd_overhead + n * c.forward_flops / sp / fwd_rate
         bwd = 0.0
         if train:
-            bwd = bwd_overhead + n * c.backward_flops / sp / self.rate(stage, "backward")
-        rec = recompute * n * c.block_flops / sp / self.rate(stage, "forward") if train else 0.0
+            bwd = bwd_overhead + n * c.backward_flops / sp / bwd_rate
+        rec = recompute * n * c.block_flops / sp / fwd_rate if train else 0.0
         # Ulysses: four all-to-alls per block (q, k, v, out) each way, of this rank's shard.
         a2a_f = a2a_b = 0.0
         if ulysses > 1 and c.blocks:
@@ -245,7 +257,7 @@ class CostModel:
         if ring > 1 and c.blocks:
             kv = 2 * n * c.tokens * c.hidden * 2 / sp
             step = kv / self.cluster.bandwidth(self._span(sp))
-            attn = n * c.attention_flops / c.blocks / sp / self.rate(stage, "forward")
+            attn = n * c.attention_flops / c.blocks / sp / fwd_rate
             ring_f = c.blocks * max(0.0, (ring - 1) * step - attn)
             ring_b = c.blocks * max(0.0, 2 * (ring - 1) * step - 2.5 * attn) if train else 0.0
         # FSDP traffic: parameters gathered for the forward (and again for the backward and any

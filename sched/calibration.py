@@ -19,6 +19,12 @@ class Calibration:
     ``backward_overhead_s``: launch and framework time that does not scale with the batch) and its
     optimizer step (``step_s``); per run: the per-step overhead outside actions and the transport's
     per-message latency and bandwidth.
+
+    An action's time need not be one line in its samples (the tiny VAE's encode takes about as long
+    for 1 clip as for 2, then grows): ``profile`` measures it at several micro-batch sizes and keeps
+    one line per pair of neighbouring sizes. The line through the two largest is ``forward`` /
+    ``forward_overhead_s``; one through smaller sizes is ``forward_upto_<n>`` /
+    ``forward_overhead_s_upto_<n>``, which prices actions of fewer than ``n`` samples (:meth:`line`).
     """
 
     device: str
@@ -32,6 +38,20 @@ class Calibration:
 
     def efficiency(self, stage: str, direction: str, default: float) -> float:
         return float(self.stages.get(stage, {}).get(direction, default))
+
+    def line(self, stage: str, direction: str, samples: float, default: float) -> tuple[float, float]:
+        """The efficiency and fixed seconds of ``stage``'s ``direction`` (``forward`` / ``backward``)
+        for an action of ``samples`` samples: the line measured through the smallest pair of sizes
+        whose larger one exceeds ``samples`` (``<direction>_upto_<n>``), else the line through the
+        two largest sizes (``default`` efficiency where the stage has none)."""
+        entry = self.stages.get(stage, {})
+        prefix = f"{direction}_upto_"
+        bounds = sorted(float(k.removeprefix(prefix)) for k in entry if k.startswith(prefix))
+        for bound in bounds:
+            if samples < bound:
+                key = f"{bound:g}"
+                return float(entry[prefix + key]), float(entry.get(f"{direction}_overhead_s_upto_{key}", 0.0))
+        return float(entry.get(direction, default)), float(entry.get(f"{direction}_overhead_s", 0.0))
 
     def value(self, stage: str, key: str) -> float:
         return float(self.stages.get(stage, {}).get(key, 0.0))

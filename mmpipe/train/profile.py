@@ -13,6 +13,7 @@ calibration for the model: the same runs with ``mmpipe profile``'s defaults, mer
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import statistics
@@ -41,7 +42,7 @@ def profile(
     model: ModelConfig,
     data: DataConfig,
     *,
-    micro_sizes: tuple[int, int] = (1, 2),
+    micro_sizes: tuple[int, ...] = (1, 2, 4),
     micro_batches: int = 4,
     steps: int = 6,
     warmup: int = 2,
@@ -51,9 +52,12 @@ def profile(
 ) -> Calibration:
     """Calibrate the cost model on this machine's CPU or GPU (``device``) from real single-rank training runs.
 
-    The model is trained for ``steps`` steps at two micro-batch sizes; from the recorded events,
-    each stage's median forward / backward time at both sizes gives a fixed part (per action) and
-    a per-sample part, whose FLOPs (from the cost model) over the nominal peak are the efficiency;
+    The model is trained for ``steps`` steps at each of ``micro_sizes`` (two or more growing
+    micro-batch sizes); from the recorded events, each stage's median forward / backward time at
+    two neighbouring sizes gives a fixed part (per action) and a per-sample part, whose FLOPs (from
+    the cost model) over the nominal peak are the efficiency: one such line per pair of
+    neighbouring sizes (:meth:`Calibration.line`; an action's time is not one line from 1 to 4
+    samples on every stage);
     STEP events give the optimizer time, and the wall time not spent in actions the per-step
     overhead. ``probe`` also measures the transport's latency and bandwidth between two CPU ranks
     and, from a two-rank data-parallel run, what FSDP2 adds to each trained stage
@@ -61,8 +65,8 @@ def profile(
     """
     if model.arch is not None:
         raise ValueError(f"model {model.name!r} is architecture-only (no weights): profile a model with weights")
-    if not 0 < micro_sizes[0] < micro_sizes[1]:
-        raise ValueError(f"profile needs two growing micro-batch sizes, got {micro_sizes}")
+    if len(micro_sizes) < 2 or micro_sizes[0] <= 0 or any(a >= b for a, b in itertools.pairwise(micro_sizes)):
+        raise ValueError(f"profile needs two or more growing micro-batch sizes, got {micro_sizes}")
     if steps <= warmup + 1:
         raise ValueError(f"profile needs steps > warmup + 1, got steps={steps} warmup={warmup}")
 
@@ -102,7 +106,7 @@ def profile(
             wall = measured_step_time(read_events(run_dir), first_step=warmup + 1, last_step=steps)
             busy = sum(e["end"] - e["start"] for e in events) / (steps - warmup)
             overheads.append(max(0.0, wall - busy))
-    (n1, n2), (t1, t2) = micro_sizes, (timings[micro_sizes[0]], timings[micro_sizes[1]])
+    t2 = timings[micro_sizes[-1]]  # the largest size's timings
     stages: dict[str, dict[str, float]] = {}
     for name in graph.topological_order():
         entry: dict[str, float] = {}
@@ -110,11 +114,15 @@ def profile(
             ("F", "forward", costs[name].forward_flops),
             ("B", "backward", costs[name].backward_flops),
         ):
-            if (name, kind) not in t2 or not flops:
+            if not flops or any((name, kind) not in timings[n] for n in micro_sizes):
                 continue
-            per_sample, fixed = fit_action(t1[(name, kind)], t2[(name, kind)], n1, n2)
-            entry[direction] = flops / (cluster.peak_flops * per_sample)
-            entry[f"{direction}_overhead_s"] = fixed
+            pairs = list(itertools.pairwise(micro_sizes))
+            for n1, n2 in pairs:
+                per_sample, fixed = fit_action(timings[n1][(name, kind)], timings[n2][(name, kind)], n1, n2)
+                # the two largest sizes' line unsuffixed (what an older calibration holds), smaller ones "upto"
+                suffix = "" if (n1, n2) == pairs[-1] else f"_upto_{n2}"
+                entry[f"{direction}{suffix}"] = flops / (cluster.peak_flops * per_sample)
+                entry[f"{direction}_overhead_s{suffix}"] = fixed
         if (name, "STEP") in t2:
             entry["step_s"] = t2[(name, "STEP")]
         stages[name] = entry
@@ -129,7 +137,7 @@ def profile(
             s.name: 2 * (measured.collective_seconds(width * costs[s.name].params, 2) or 0.0)
             for s in graph.trainable_stages()
         }
-        # cfg: the last single-rank run, at micro-batch size n2, whose timings are t2
+        # cfg: the last single-rank run, at the largest micro-batch size, whose timings are t2
         for name, extra in sharded_overheads(graph, cfg, t2, warmup, priced).items():
             stages[name].update(extra)
     return Calibration(cluster.device, cluster.peak_flops, stages, statistics.median(overheads), **transport)
@@ -236,7 +244,7 @@ def calibrate_into(model: ModelConfig, data: DataConfig, path: Path) -> Calibrat
     cal = profile(
         model,
         data,
-        micro_sizes=(d.micro_size, 2 * d.micro_size),
+        micro_sizes=tuple(d.micro_sizes),
         micro_batches=d.micro_batches,
         steps=d.steps,
         warmup=d.warmup,

@@ -126,6 +126,9 @@ def test_profile_then_train_with_the_planned_placement(tmp_path: Path) -> None:
     cal = Calibration.load(cal_path)
     assert cal.device == "cpu" and set(cal.stages) == {"text", "vae", "dit"}
     assert all(entry["forward"] > 0 for entry in cal.stages.values())
+    # one line through 2 and 4 samples, one through 1 and 2 ("upto_2") that prices smaller actions
+    assert all(entry["forward_upto_2"] > 0 and "forward_overhead_s_upto_2" in entry for entry in cal.stages.values())
+    assert "(below 2 samples: " in res.stdout
     assert cal.stages["dit"]["backward"] > 0 and cal.stages["dit"]["step_s"] > 0
     assert cal.latency_s is not None and cal.latency_s > 0 and cal.bandwidth
 

@@ -7,7 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from mmpipe.config import DataConfig, GenerateConfig, ModelConfig, RunConfig, TrainConfig, compose_config, from_dict
+from mmpipe.config import (
+    DataConfig,
+    GenerateConfig,
+    ModelConfig,
+    ProfileConfig,
+    RunConfig,
+    TrainConfig,
+    compose_config,
+    from_dict,
+)
 
 
 def test_allowed_top_level_keys() -> None:
@@ -66,6 +75,25 @@ def test_overrides_and_presets() -> None:
 def test_bad_values_are_named(raw: dict, message: str) -> None:
     with pytest.raises(ValueError) as err:
         from_dict(RunConfig, raw)
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("sizes", "message"),
+    [
+        ([2], "micro_sizes=[2]: two or more growing positive micro-batch sizes"),
+        ([2, 1, 4], "micro_sizes=[2, 1, 4]: two or more growing"),
+        ([0, 2], "micro_sizes=[0, 2]"),
+        (["one", 2], "micro_sizes[0]='one': expected int"),
+        (2, "micro_sizes=2: expected a list"),
+    ],
+)
+def test_profile_sizes_are_checked(sizes: object, message: str) -> None:
+    assert (
+        from_dict(ProfileConfig, compose_config("profile", [])).micro_sizes == [1, 2, 4] == ProfileConfig().micro_sizes
+    )
+    with pytest.raises(ValueError) as err:
+        from_dict(ProfileConfig, {"micro_sizes": sizes})
     assert message in str(err.value)
 
 

@@ -400,6 +400,32 @@ def test_a_sharded_stage_pays_what_profile_measured_fsdp_adds() -> None:
     assert sharded.configure("vae", 2, 2, 1, 1, 0.0, 0.0) == plain.configure("vae", 2, 2, 1, 1, 0.0, 0.0)  # frozen
 
 
+def test_an_action_is_priced_by_the_line_profile_measured_through_its_sizes() -> None:
+    # The tiny VAE's encode on a CPU: ~110 ms for 1 clip, ~105 for 2, ~190 for 4 (not one line).
+    # profile keeps the line through 2 and 4 unsuffixed and the one through 1 and 2 as "upto_2";
+    # an action of 1 clip (a data-parallel replica's share of a 2-clip micro-batch) takes the latter,
+    # so splitting the VAE over two ranks saves almost nothing, as measured.
+    cluster = Cluster.local(2)
+    workload = tiny_bundle_workload()
+    flops = workload.costs["vae"].forward_flops
+    upper = flops / (cluster.peak_flops * 0.0425)  # 42.5 ms a clip + 20 ms fixed: 105 ms at 2, 190 at 4
+    lower = flops / (cluster.peak_flops * 0.005)  # the per-sample floor; 100 ms fixed: 105 ms at 1
+    vae = {"forward": upper, "forward_overhead_s": 0.02, "forward_upto_2": lower, "forward_overhead_s_upto_2": 0.1}
+    cal = Calibration("cpu", cluster.peak_flops, {"vae": vae})
+    assert cal.line("vae", "forward", 1, 0.5) == (lower, 0.1)
+    assert cal.line("vae", "forward", 2, 0.5) == cal.line("vae", "forward", 4, 0.5) == (upper, 0.02)
+    assert cal.line("vae", "backward", 1, 0.5) == (0.5, 0.0)  # not measured: the default, no fixed cost
+    model = CostModel(cluster, workload, cal)
+    ms = {n: 1e3 * model.configure("vae", n, 1, 1, 1, 0.0, 0.0).forward_s for n in (1, 2, 4)}
+    assert ms == pytest.approx({1: 105.0, 2: 105.0, 4: 190.0})
+    assert model.configure("vae", 1, 2, 1, 1, 0.0, 0.0).forward_s == pytest.approx(0.105)  # a replica's one clip
+    # a calibration of one line (written before the lines through smaller sizes) prices every size by it
+    old = Calibration("cpu", cluster.peak_flops, {"vae": {"forward": upper, "forward_overhead_s": 0.02}})
+    assert 1e3 * CostModel(cluster, workload, old).configure("vae", 1, 1, 1, 1, 0.0, 0.0).forward_s == pytest.approx(
+        62.5
+    )
+
+
 def test_a_replicated_stage_all_reduces_instead_of_gathering_and_keeps_whole_state() -> None:
     # replicate=True (DDP): no FSDP gathers nor the sharded overheads profile measured; one
     # all-reduce of the gradients a step (twice a reduce-scatter's bytes); its memory (16 bytes a
