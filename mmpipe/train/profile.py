@@ -19,7 +19,7 @@ import os
 import statistics
 import sys
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -167,7 +167,7 @@ def sharded_overheads(
     gathered once a step), the same micro-batch size per rank. Per trainable stage, the median
     forward and backward on rank 0 less the same in the single-rank ``timings``
     (``sharded_forward_overhead_s`` / ``sharded_backward_overhead_s``, per action), and the rest of its
-    time a step (the first forward's gather, the last backward's reduce-scatter, the optimizer on
+    time a step, median over the steps (the first forward's gather, the last backward's reduce-scatter, the optimizer on
     sharded tensors) beyond those and the single-rank optimizer step, less ``priced`` (stage -> the
     gather and reduce-scatter the cost model prices itself, from the transport probe):
     ``sharded_step_overhead_s``. The cost model adds them to a sharded configuration's forward,
@@ -188,30 +188,42 @@ def sharded_overheads(
         )
         train(cfg)
         events = [e for e in read_events(Path(tmp) / "dp2") if e["phase"] == "train" and e["step"] > warmup]
-    steps, m = tc.steps - warmup, tc.micro_batches
     out: dict[str, dict[str, float]] = {}
     for stage in graph.trainable_stages():
-        name = stage.name
-        if not all((name, k) in timings for k in ("F", "B", "STEP")):
-            continue
-        mine = {
-            k: [e["end"] - e["start"] for e in events if (e["stage"], e["kind"], e["rank"]) == (name, k, 0)]
-            for k in ("F", "B", "STEP")
-        }
-        if not all(mine.values()):
-            continue
-        f, b = statistics.median(mine["F"]), statistics.median(mine["B"])
-        # the rest of a step's time in this stage (the first forward's gather, the last backward's
-        # reduce-scatter, the step) beyond the typical forwards and backwards and the plain step
-        rest = (
-            sum(sum(v) for v in mine.values()) / steps - m * (f + b) - timings[(name, "STEP")] - priced.get(name, 0.0)
-        )
-        out[name] = {
-            "sharded_forward_overhead_s": max(0.0, f - timings[(name, "F")]),
-            "sharded_backward_overhead_s": max(0.0, b - timings[(name, "B")]),
-            "sharded_step_overhead_s": max(0.0, rest),
-        }
+        extra = sharded_extra(events, stage.name, timings, tc.micro_batches, priced.get(stage.name, 0.0))
+        if extra is not None:
+            out[stage.name] = extra
     return out
+
+
+def sharded_extra(
+    events: Sequence[Mapping[str, Any]],
+    name: str,
+    timings: Mapping[tuple[str, str], float],
+    micro_batches: int,
+    priced: float,
+) -> dict[str, float] | None:
+    """:func:`sharded_overheads` for stage ``name`` from the two-rank run's ``events`` (after its
+    warm-up): None where either run lacks the stage's forward, backward or optimizer step."""
+    if not all((name, k) in timings for k in ("F", "B", "STEP")):
+        return None
+    own = [e for e in events if e["stage"] == name and e["rank"] == 0 and e["kind"] in ("F", "B", "STEP")]
+    mine = {k: [e["end"] - e["start"] for e in own if e["kind"] == k] for k in ("F", "B", "STEP")}
+    if not all(mine.values()):
+        return None
+    f, b = statistics.median(mine["F"]), statistics.median(mine["B"])
+    # the rest of a step's time in this stage (the first forward's gather, the last backward's
+    # reduce-scatter, the step) beyond the typical forwards and backwards and the plain step: the
+    # median over the steps (a collective's wait for a late peer lands in one step's actions)
+    per_step: dict[int, float] = {}
+    for e in own:
+        per_step[e["step"]] = per_step.get(e["step"], 0.0) + e["end"] - e["start"]
+    rest = statistics.median(per_step.values()) - micro_batches * (f + b) - timings[(name, "STEP")] - priced
+    return {
+        "sharded_forward_overhead_s": max(0.0, f - timings[(name, "F")]),
+        "sharded_backward_overhead_s": max(0.0, b - timings[(name, "B")]),
+        "sharded_step_overhead_s": max(0.0, rest),
+    }
 
 
 TRANSPORT = ("latency_s", "bandwidth", "collective_latency_s", "collective_bandwidth")

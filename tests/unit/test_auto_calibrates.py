@@ -141,3 +141,28 @@ def test_profile_fits_a_line_and_calls_flat_or_shrinking_times_fixed_cost() -> N
     per_sample, fixed = fit_action(0.110, 0.105, 1, 2)
     assert per_sample == pytest.approx(PER_SAMPLE_FLOOR * 0.105 / 2) and fixed == pytest.approx(0.105 * 0.95)
     assert fit_action(0.100, 0.1001, 1, 2)[1] == pytest.approx(0.1001 * 0.95)  # growth within the floor
+
+
+def test_the_sharded_step_overhead_is_a_median_step_not_a_mean() -> None:
+    # Two-rank FSDP run, rank 0's DiT: 2 micro-batches of 10 ms forwards and 20 ms backwards, a 15 ms
+    # optimizer step; in one step the first forward also waited 300 ms for the other rank (a gather
+    # behind a late peer). The single-rank run: 8 / 16 ms actions, a 5 ms step; the cost model prices
+    # 4 ms of collectives itself. Extra per step: 15 - 5 - 4 = 6 ms, whatever one late step waited.
+    from mmpipe.train.profile import sharded_extra
+
+    events = []
+    for step in (3, 4, 5, 6, 7):
+        wait = 0.3 if step == 5 else 0.0
+        t = 0.0
+        for kind, seconds in (("F", 0.01 + wait), ("F", 0.01), ("B", 0.02), ("B", 0.02), ("STEP", 0.015)):
+            events.append({"stage": "dit", "rank": 0, "kind": kind, "step": step, "start": t, "end": t + seconds})
+            t += seconds
+        events.append(
+            {"stage": "dit", "rank": 1, "kind": "F", "step": step, "start": 0.0, "end": 0.5}
+        )  # rank 1: not read
+    single = {("dit", "F"): 0.008, ("dit", "B"): 0.016, ("dit", "STEP"): 0.005}
+    got = sharded_extra(events, "dit", single, 2, 0.004)
+    assert got == pytest.approx(
+        {"sharded_forward_overhead_s": 0.002, "sharded_backward_overhead_s": 0.004, "sharded_step_overhead_s": 0.006}
+    )
+    assert sharded_extra(events, "vae", single, 2, 0.0) is None  # not in the single-rank run

@@ -60,7 +60,9 @@ def test_rescore_recomputes_an_earlier_runs_regret(tmp_path: Path) -> None:
         {"name": "a@1 b@0", "finalist": True, "samples_per_s_per_repeat": [9.0, 9.0, 12.0]},
         {"name": "a@dp b@dp", "finalist": False, "samples_per_s_per_repeat": []},
     ]
-    run = {"workloads": [{"name": "w", "auto_name": "a@0 b@1", "placements": rows}]}
+    run = {
+        "workloads": [{"name": "w", "auto_name": "a@0 b@1", "placements": rows, "data_parallel_baselines": ["a@0 b@1"]}]
+    }
     log = tmp_path / "run.log"
     log.write_text("screen ...\n" + json.dumps(run) + "\n")
     out = subprocess.run(
@@ -71,6 +73,8 @@ def test_rescore_recomputes_an_earlier_runs_regret(tmp_path: Path) -> None:
     assert entry["regret_pooled_with"] == ["a@0 b@1"]
     assert entry["regret"] == round(11 / 9, 3) and entry["regret_range"] == [round(11 / 12, 3), round(11 / 9, 3)]
     assert entry["regret_unpooled"] == round(11 / 12, 3)  # rounds: 10/12, 12/10, 11/12
+    # auto's placement is the only data-parallel baseline: auto is data parallelism, 1 every round
+    assert entry["vs_data_parallel"] == 1.0 and entry["vs_data_parallel_range"] == [1.0, 1.0]
     missing = subprocess.run(
         [sys.executable, str(SCRIPT), "--rescore", str(tmp_path / "none.log")], cwd=ROOT, capture_output=True, text=True
     )
