@@ -46,10 +46,9 @@ class Calibration:
         two largest sizes (``default`` efficiency where the stage has none)."""
         entry = self.stages.get(stage, {})
         prefix = f"{direction}_upto_"
-        bounds = sorted(float(k.removeprefix(prefix)) for k in entry if k.startswith(prefix))
-        for bound in bounds:
+        bounds = sorted((float(k.removeprefix(prefix)), k.removeprefix(prefix)) for k in entry if k.startswith(prefix))
+        for bound, key in bounds:
             if samples < bound:
-                key = f"{bound:g}"
                 return float(entry[prefix + key]), float(entry.get(f"{direction}_overhead_s_upto_{key}", 0.0))
         return float(entry.get(direction, default)), float(entry.get(f"{direction}_overhead_s", 0.0))
 

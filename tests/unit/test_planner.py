@@ -415,6 +415,10 @@ def test_an_action_is_priced_by_the_line_profile_measured_through_its_sizes() ->
     assert cal.line("vae", "forward", 1, 0.5) == (lower, 0.1)
     assert cal.line("vae", "forward", 2, 0.5) == cal.line("vae", "forward", 4, 0.5) == (upper, 0.02)
     assert cal.line("vae", "backward", 1, 0.5) == (0.5, 0.0)  # not measured: the default, no fixed cost
+    wide = Calibration(
+        "cpu", 1.0, {"vae": {"forward": 0.5, "forward_upto_1000000": 0.1, "forward_overhead_s_upto_1000000": 0.3}}
+    )
+    assert wide.line("vae", "forward", 8, 0.9) == (0.1, 0.3)  # a size whose key is not its float's repr
     model = CostModel(cluster, workload, cal)
     ms = {n: 1e3 * model.configure("vae", n, 1, 1, 1, 0.0, 0.0).forward_s for n in (1, 2, 4)}
     assert ms == pytest.approx({1: 105.0, 2: 105.0, 4: 190.0})
