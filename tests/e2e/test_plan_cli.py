@@ -111,7 +111,7 @@ def test_plan_and_train_reject_bad_input_before_starting(tmp_path: Path) -> None
 
 
 def test_profile_then_train_with_the_planned_placement(tmp_path: Path) -> None:
-    cal_path = tmp_path / "cal.json"
+    cal_path = tmp_path / "cache" / "calibration-cpu.json"  # where placement=auto looks ($MMPIPE_CACHE)
     res = mmpipe(
         "profile",
         "steps=4",
@@ -135,6 +135,7 @@ def test_profile_then_train_with_the_planned_placement(tmp_path: Path) -> None:
     run = tmp_path / "run"
     res = mmpipe("train", "launch.nproc=2", "placement=auto", "train.steps=2", f"run_dir={run}", *SMALL, cwd=tmp_path)
     assert res.returncode == 0, res.stderr
+    assert "calibrating" not in res.stdout + res.stderr  # planned with the profile just made
     saved = yaml.safe_load((run / "config.yaml").read_text())["placement"]
     assert set(saved) == {"text", "vae", "dit"} and all(set(g["ranks"]) <= {0, 1} for g in saved.values())
     assert "validation loss:" in res.stdout
