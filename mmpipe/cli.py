@@ -136,12 +136,11 @@ def _run_profile(raw: dict[str, Any]) -> None:
         for k in ("forward", "backward"):
             if k not in entry:
                 continue
-            line = f"{k} {entry[k]:.2%} of peak + {entry[k + '_overhead_s'] * 1e3:.1f} ms"
-            for key in entry:  # the lines through smaller sizes
-                if key.startswith(f"{k}_upto_"):
-                    n = key.removeprefix(f"{k}_upto_")
-                    line += f" (below {n} samples: {entry[key]:.2%} + {entry[f'{k}_overhead_s_upto_{n}'] * 1e3:.1f} ms)"
-            parts.append(line)
+            *smaller, (_, eff, fixed) = cal.lines(stage, k, 0.0)
+            parts.append(
+                f"{k} {eff:.2%} of peak + {fixed * 1e3:.1f} ms"
+                + "".join(f" (below {b:g} samples: {e:.2%} + {f * 1e3:.1f} ms)" for b, e, f in smaller)
+            )
         if "step_s" in entry:
             parts.append(f"optimizer step {entry['step_s'] * 1e3:.1f} ms")
         if "sharded_step_overhead_s" in entry:

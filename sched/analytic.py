@@ -180,25 +180,24 @@ class CostModel:
         """The calibration when it was measured on this cluster's device kind."""
         return self.cal if self.cal is not None and self.cal.device == self.cluster.device else None
 
-    def efficiency(self, stage: str, direction: str, samples: float | None = None) -> float:
-        """The achieved fraction of peak of ``stage``'s ``direction``, for actions of ``samples``
-        samples where the calibration measured more than one line (None: the largest sizes')."""
-        return self.line(stage, direction, samples)[0]
+    def efficiency(self, stage: str, direction: str) -> float:
+        """The achieved fraction of peak of ``stage``'s ``direction`` (the line through the largest sizes)."""
+        return self.line(stage, direction, math.inf)[0]
 
-    def line(self, stage: str, direction: str, samples: float | None = None) -> tuple[float, float]:
+    def line(self, stage: str, direction: str, samples: float) -> tuple[float, float]:
         """The efficiency and fixed seconds per action of ``stage``'s ``direction`` for actions of
         ``samples`` samples (:meth:`Calibration.line`); uncalibrated: the cluster's efficiency, no fixed cost."""
         cal = self.calibrated
         if cal is None:
             return self.cluster.efficiency, 0.0
-        return cal.line(stage, direction, math.inf if samples is None else samples, self.cluster.efficiency)
+        return cal.line(stage, direction, samples, self.cluster.efficiency)
 
     def overhead(self, stage: str, key: str) -> float:
         cal = self.calibrated
         return cal.value(stage, key) if cal else 0.0
 
-    def rate(self, stage: str, direction: str, samples: float | None = None) -> float:
-        return self.cluster.peak_flops * self.efficiency(stage, direction, samples)
+    def rate(self, stage: str, direction: str) -> float:
+        return self.cluster.peak_flops * self.efficiency(stage, direction)
 
     def _span(self, n: int) -> range:
         return range(min(n, self.cluster.world_size))  # groups start on level boundaries

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -36,21 +37,27 @@ class Calibration:
     collective_latency_s: float | None = None
     collective_bandwidth: float | None = None
 
-    def efficiency(self, stage: str, direction: str, default: float) -> float:
-        return float(self.stages.get(stage, {}).get(direction, default))
-
-    def line(self, stage: str, direction: str, samples: float, default: float) -> tuple[float, float]:
-        """The efficiency and fixed seconds of ``stage``'s ``direction`` (``forward`` / ``backward``)
-        for an action of ``samples`` samples: the line measured through the smallest pair of sizes
-        whose larger one exceeds ``samples`` (``<direction>_upto_<n>``), else the line through the
-        two largest sizes (``default`` efficiency where the stage has none)."""
+    def lines(self, stage: str, direction: str, default: float) -> list[tuple[float, float, float]]:
+        """The lines measured for ``stage``'s ``direction`` (``forward`` / ``backward``), as (the
+        samples an action priced by it stays below, efficiency, fixed seconds), smallest first; the
+        line through the two largest sizes last, unbounded (``default`` efficiency where the stage has
+        none)."""
         entry = self.stages.get(stage, {})
         prefix = f"{direction}_upto_"
-        bounds = sorted((float(k.removeprefix(prefix)), k.removeprefix(prefix)) for k in entry if k.startswith(prefix))
-        for bound, key in bounds:
-            if samples < bound:
-                return float(entry[prefix + key]), float(entry.get(f"{direction}_overhead_s_upto_{key}", 0.0))
-        return float(entry.get(direction, default)), float(entry.get(f"{direction}_overhead_s", 0.0))
+        bounded = sorted(
+            (float(bound), float(entry[k]), float(entry.get(f"{direction}_overhead_s_upto_{bound}", 0.0)))
+            for k in entry
+            if k.startswith(prefix)
+            for bound in [k.removeprefix(prefix)]
+        )
+        top = (math.inf, float(entry.get(direction, default)), float(entry.get(f"{direction}_overhead_s", 0.0)))
+        return [*bounded, top]
+
+    def line(self, stage: str, direction: str, samples: float, default: float) -> tuple[float, float]:
+        """The efficiency and fixed seconds of ``stage``'s ``direction`` for an action of ``samples``
+        samples: the first of :meth:`lines` whose bound exceeds ``samples``, else the last."""
+        *smaller, (_, eff, fixed) = self.lines(stage, direction, default)
+        return next(((e, f) for bound, e, f in smaller if samples < bound), (eff, fixed))
 
     def value(self, stage: str, key: str) -> float:
         return float(self.stages.get(stage, {}).get(key, 0.0))
