@@ -11,14 +11,15 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 import torch
+from cli_here import mmpipe_here
 from diffusers import WanTransformer3DModel
 
-from mmpipe.rundir import latest_checkpoint
+from mmpipe.rundir import latest_checkpoint, read_metrics
 from mmpipe.runtime.checkpoint import load_latest_weights
 from mmpipe.runtime.events import read_events
 from mmpipe.runtime.launch import free_port
-from mmpipe.rundir import read_metrics
 
 SMALL = [
     "data.frames=9",
@@ -46,7 +47,7 @@ def dit_params(run_dir: Path) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
-def test_cli_launches_two_ranks_and_rejects_bad_placements(tmp_path: Path) -> None:
+def test_cli_launches_two_ranks_and_rejects_bad_placements(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run = tmp_path / "run"
     res = subprocess.run(
         cli("train", f"run_dir={run}", "launch.nproc=2", PIPELINE, "train.steps=2", *SMALL),
@@ -58,13 +59,9 @@ def test_cli_launches_two_ranks_and_rejects_bad_placements(tmp_path: Path) -> No
     assert "text->dit:SEND:mb0@r1" in res.stdout  # the plan table is printed before workers start
     assert {e["rank"] for e in read_events(run)} == {0, 1}
     assert [r["step"] for r in read_metrics(run)] == [0, 1, 2]
-    bad = subprocess.run(
-        cli("train", f"run_dir={tmp_path / 'bad'}", "launch.nproc=2", "placement={text:[0],vae:[0],dit:[5]}", *SMALL),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert bad.returncode == 2 and "placement.dit: ranks [5] outside launch.nproc=2" in bad.stderr
+    bad = ("train", f"run_dir={tmp_path / 'bad'}", "launch.nproc=2", "placement={text:[0],vae:[0],dit:[5]}", *SMALL)
+    code, err = mmpipe_here(*bad, cwd=tmp_path, capsys=capsys)
+    assert code == 2 and "placement.dit: ranks [5] outside launch.nproc=2" in err
     assert not (tmp_path / "bad").exists()
 
 

@@ -11,6 +11,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from cli_here import mmpipe_here
 from PIL import Image
 
 from mmpipe.data import read_video
@@ -208,12 +209,16 @@ def test_qwen_text_encoder_preset_trains(tmp_path: Path) -> None:
         ),
     ],
 )
-def test_bad_input_is_rejected_before_any_work(tmp_path: Path, args: list[str], message: str) -> None:
+def test_bad_input_is_rejected_before_any_work(
+    tmp_path: Path, args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # In this process (cli.main, as the console script runs it): the subprocess path is the tests
+    # around this one (a corrupt model.path, mmpipe eval's bad arguments)
     extra = [f"run_dir={tmp_path / 'run'}"] if args[0] == "train" else []
-    res = mmpipe(*args, *extra, cwd=tmp_path)
-    assert res.returncode == 2
-    assert message in res.stderr
-    assert "Traceback" not in res.stderr
+    code, err = mmpipe_here(*args, *extra, cwd=tmp_path, capsys=capsys)
+    assert code == 2
+    assert message in err
+    assert "Traceback" not in err
     assert not (tmp_path / "run").exists()  # nothing was started or written
 
 

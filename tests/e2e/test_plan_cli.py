@@ -8,7 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
+from cli_here import mmpipe_here
 
 from mmpipe.config import ModelConfig
 from mmpipe.sched.calibration import Calibration
@@ -70,44 +72,50 @@ def test_plan_json_placement_trains_unchanged(tmp_path: Path) -> None:
     assert (run / "checkpoints" / "latest").is_file()
 
 
-def test_plan_and_train_reject_bad_input_before_starting(tmp_path: Path) -> None:
-    res = mmpipe("plan", "cluster=h100_9", cwd=tmp_path)
-    assert res.returncode == 2 and "cluster" in res.stderr and "h100_9" in res.stderr
-    res = mmpipe("plan", "global_batch=-1", cwd=tmp_path)
-    assert res.returncode == 2 and "global_batch" in res.stderr
-    res = mmpipe("plan", "model=wan14b_t2v", "model.video.frames=80", cwd=tmp_path)
-    assert res.returncode == 2 and "frames must be 4k+1" in res.stderr
-    res = mmpipe("train", "--json", cwd=tmp_path)
-    assert res.returncode == 2 and "--json" in res.stderr
-    res = mmpipe(
+def test_plan_and_train_reject_bad_input_before_starting(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # In this process: every case ends before a worker starts (the subprocess path: test_cli.py)
+    code, err = mmpipe_here("plan", "cluster=h100_9", cwd=tmp_path, capsys=capsys)
+    assert code == 2 and "cluster" in err and "h100_9" in err
+    code, err = mmpipe_here("plan", "global_batch=-1", cwd=tmp_path, capsys=capsys)
+    assert code == 2 and "global_batch" in err
+    code, err = mmpipe_here("plan", "model=wan14b_t2v", "model.video.frames=80", cwd=tmp_path, capsys=capsys)
+    assert code == 2 and "frames must be 4k+1" in err
+    code, err = mmpipe_here("train", "--json", cwd=tmp_path, capsys=capsys)
+    assert code == 2 and "--json" in err
+    code, err = mmpipe_here(
         "train",
         "launch.nproc=2",
         "placement={text:[0],vae:[0],dit:[0,1]}",
         "parallel.dit.ulysses=3",
         f"run_dir={tmp_path / 'run'}",
         cwd=tmp_path,
+        capsys=capsys,
     )
-    assert res.returncode == 2 and "parallel.dit: ulysses=3 x ring=1 = 3 does not divide the 2 ranks" in res.stderr
-    res = mmpipe("train", "launch.nproc=3", "parallel.llm.ring=2", f"run_dir={tmp_path / 'run'}", cwd=tmp_path)
-    assert res.returncode == 2 and "no stage 'llm'" in res.stderr
+    assert code == 2 and "parallel.dit: ulysses=3 x ring=1 = 3 does not divide the 2 ranks" in err
+    code, err = mmpipe_here(
+        "train", "launch.nproc=3", "parallel.llm.ring=2", f"run_dir={tmp_path / 'run'}", cwd=tmp_path, capsys=capsys
+    )
+    assert code == 2 and "no stage 'llm'" in err
     assert not (tmp_path / "run").exists()
     # the default placement is known once the graph is built (the run directory then exists; no worker started)
-    res = mmpipe("train", "launch.nproc=3", "parallel.dit.ring=4", f"run_dir={tmp_path / 'ring4'}", cwd=tmp_path)
-    assert res.returncode == 2 and "ring=4 = 4 does not divide the 2 ranks placed for 'dit'" in res.stderr
-    res = mmpipe(
+    code, err = mmpipe_here(
+        "train", "launch.nproc=3", "parallel.dit.ring=4", f"run_dir={tmp_path / 'ring4'}", cwd=tmp_path, capsys=capsys
+    )
+    assert code == 2 and "ring=4 = 4 does not divide the 2 ranks placed for 'dit'" in err
+    code, err = mmpipe_here(
         "train",
         "launch.nproc=4",
         "placement={text:[0],vae:[0],dit:[1,2,3]}",
         "parallel.dit.ulysses=3",
         f"run_dir={tmp_path / 'heads'}",
         cwd=tmp_path,
+        capsys=capsys,
     )
-    assert (
-        res.returncode == 2
-        and f"{ModelConfig().dit_heads} attention heads cannot be split over ulysses=3" in res.stderr
+    assert code == 2 and f"{ModelConfig().dit_heads} attention heads cannot be split over ulysses=3" in err
+    code, err = mmpipe_here(
+        "train", "model=wan14b_t2v", "train.steps=1", f"run_dir={tmp_path / 'big'}", cwd=tmp_path, capsys=capsys
     )
-    res = mmpipe("train", "model=wan14b_t2v", "train.steps=1", f"run_dir={tmp_path / 'big'}", cwd=tmp_path)
-    assert res.returncode == 2 and "architecture-only" in res.stderr
+    assert code == 2 and "architecture-only" in err
 
 
 def test_profile_then_train_with_the_planned_placement(tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
+from cli_here import mmpipe_here
 from PIL import Image
 
 from mmpipe.config import DataConfig, LaunchConfig, RunConfig, TraceConfig, TrainConfig
@@ -211,12 +212,10 @@ def test_several_runs_get_a_comparison_section(run_dir: Path, tmp_path: Path) ->
 
 
 @pytest.mark.parametrize("case", ["missing", "empty"])
-def test_bad_run_directory_exits_2_naming_it(tmp_path: Path, case: str) -> None:
+def test_bad_run_directory_exits_2_naming_it(tmp_path: Path, case: str, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / case
     if case == "empty":
         path.mkdir()
-    proc = subprocess.run(
-        [sys.executable, "-m", "mmpipe.cli", "report", str(path)], capture_output=True, text=True, timeout=120
-    )
-    assert proc.returncode == 2
-    assert str(path) in proc.stderr and "Traceback" not in proc.stderr
+    code, err = mmpipe_here("report", str(path), cwd=tmp_path, capsys=capsys)
+    assert code == 2
+    assert str(path) in err and "Traceback" not in err

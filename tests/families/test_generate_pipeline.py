@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_here import mmpipe_here
 
 from mmpipe.config import GenerateConfig
 from mmpipe.generate import generate
@@ -25,10 +23,11 @@ def test_generate_renders_a_two_expert_pipeline_and_records_every_expert_call(wa
     assert len(events) == 3 * 2  # each step's two branches, on whichever expert the step used
 
 
-def test_a_bad_directory_or_argument_exits_2_naming_it_before_writing(wan22_dir: Path, tmp_path: Path) -> None:
+def test_a_bad_directory_or_argument_exits_2_naming_it_before_writing(
+    wan22_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "model_index.json").write_text(json.dumps({"_class_name": "DDPMPipeline"}))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cases = [
         ([f"pipeline={tmp_path / 'bad'}"], "_class_name='DDPMPipeline' is not supported; supported: ["),
         ([f"pipeline={wan22_dir}", "height=30", "width=32", "frames=5"], "divisible by 16"),
@@ -36,16 +35,9 @@ def test_a_bad_directory_or_argument_exits_2_naming_it_before_writing(wan22_dir:
     for args, message in cases:
         before = sorted(tmp_path.rglob("*"))
         out = tmp_path / "out"
-        done = subprocess.run(
-            [sys.executable, "-m", "mmpipe.cli", "generate", *args, "device=cpu", f"out={out}"],
-            cwd=tmp_path,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert done.returncode == 2, done.stderr[-3000:]
-        assert message in done.stderr, done.stderr[-3000:]
+        code, err = mmpipe_here("generate", *args, "device=cpu", f"out={out}", cwd=tmp_path, capsys=capsys)
+        assert code == 2, err[-3000:]
+        assert message in err, err[-3000:]
         assert sorted(tmp_path.rglob("*")) == before
 
 

@@ -4,12 +4,11 @@ configurations refused before any worker starts (CPU tests; the GPU paths run in
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from cli_here import mmpipe_here
 
 from mmpipe.assemble.placement import check_shared_gpu_groups
 from mmpipe.config import LaunchConfig, RunConfig, TrainConfig
@@ -107,11 +106,12 @@ def test_nccl_pair_order_check() -> None:
         (["train", "train.precision=fp16"], "train.precision='fp16'"),
     ],
 )
-def test_device_errors_leave_nothing_behind(tmp_path: Path, args: list[str], message: str) -> None:
-    cmd = [sys.executable, "-m", "mmpipe.cli", *args, f"run_dir={tmp_path / 'run'}"]
-    res = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=dict(os.environ))
-    assert res.returncode == 2, res.stderr
-    assert message in res.stderr and "Traceback" not in res.stderr
+def test_device_errors_leave_nothing_behind(
+    tmp_path: Path, args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, err = mmpipe_here(*args, f"run_dir={tmp_path / 'run'}", cwd=tmp_path, capsys=capsys)
+    assert code == 2, err
+    assert message in err and "Traceback" not in err
     assert not (tmp_path / "run").exists()
 
 
