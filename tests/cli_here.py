@@ -18,5 +18,8 @@ def mmpipe_here(*args: str, cwd: Path, capsys: pytest.CaptureFixture[str]) -> tu
         mp.chdir(cwd)
         mp.setenv("MMPIPE_CACHE", str(cwd / "cache"))
         capsys.readouterr()
-        code = main(list(args))
+        try:
+            code = main(list(args))
+        except SystemExit as exit:  # argparse's way out (mmpipe eval), the status the shell then sees
+            code = exit.code if isinstance(exit.code, int) else 1
     return code, capsys.readouterr().err

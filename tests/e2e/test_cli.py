@@ -35,7 +35,7 @@ def mmpipe(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
 
 
-def test_train_then_generate(tmp_path: Path) -> None:
+def test_train_then_generate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run = tmp_path / "run"
     res = mmpipe("train", f"run_dir={run}", "train.steps=3", "train.ckpt_every=2", *SMALL, cwd=tmp_path)
     assert res.returncode == 0, res.stderr
@@ -62,10 +62,10 @@ def test_train_then_generate(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr
     html = (record / "report.html").read_text()
     assert "generation run (mmpipe generate)" in html and "denoise" in html
-    check_eval(run, tmp_path)
+    check_eval(run, tmp_path, capsys)
 
 
-def check_eval(run: Path, tmp_path: Path) -> None:
+def check_eval(run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``mmpipe eval`` on a trained run: the table, one JSON line, eval.json, the contact sheet, the
     report's section; bad arguments exit 2 naming them, before anything is written."""
     res = mmpipe("eval", str(run), "--clips", "4", "--batch", "2", "--steps", "2", cwd=tmp_path)
@@ -91,18 +91,19 @@ def check_eval(run: Path, tmp_path: Path) -> None:
     assert "Evaluation (mmpipe eval)" in html and "data:image/png;base64," in html
     no_ckpt = tmp_path / "no-ckpt"
     shutil.copytree(run, no_ckpt, ignore=shutil.ignore_patterns("checkpoints", "eval"))
+    res = mmpipe("eval", str(tmp_path / "nope"), cwd=tmp_path)  # the console script's exit status
+    assert res.returncode == 2 and f"run directory {str(tmp_path / 'nope')!r} does not exist" in res.stderr
     for args, message in [
-        ([str(tmp_path / "nope")], f"run directory {str(tmp_path / 'nope')!r} does not exist"),
         ([str(no_ckpt)], "the run has no checkpoint yet"),
         ([str(run), "--clips", "0"], "clips must be a positive integer, got 0"),
         ([str(run), "--steps", "x"], "argument --steps: invalid int value: 'x'"),
     ]:
-        res = mmpipe("eval", *args, cwd=tmp_path)
-        assert res.returncode == 2 and message in res.stderr, (args, res.stderr)
+        code, err = mmpipe_here("eval", *args, cwd=tmp_path, capsys=capsys)
+        assert code == 2 and message in err, (args, err)
     assert not (no_ckpt / "eval").exists()
 
 
-def test_u2g_run_generates_from_a_still_and_an_instruction(tmp_path: Path) -> None:
+def test_u2g_run_generates_from_a_still_and_an_instruction(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Understand-then-generate, visible: a u2g run trains on stills + instructions, ``mmpipe eval``
     shows it each colour and shape's still with the four instructions, ``mmpipe generate`` takes a
     still (image=FILE) and an instruction, and the generation graph carries the run's trained LLM,
@@ -141,10 +142,10 @@ def test_u2g_run_generates_from_a_still_and_an_instruction(tmp_path: Path) -> No
     res = mmpipe("generate", f"ckpt={run}", f"image={still}", "prompt=make it move up", "steps=2", cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     assert read_video(run / "samples" / "make-it-move-up-seed0.mp4").shape == (9, 32, 32, 3)
-    res = mmpipe("generate", f"ckpt={run}", "prompt=make it move up", cwd=tmp_path)
-    assert res.returncode == 2 and "give the still it reads, image=FILE" in res.stderr, res.stderr
-    res = mmpipe("serve", f"ckpt={run}", cwd=tmp_path)
-    assert res.returncode == 2 and "serving takes text-to-video runs" in res.stderr, res.stderr
+    code, err = mmpipe_here("generate", f"ckpt={run}", "prompt=make it move up", cwd=tmp_path, capsys=capsys)
+    assert code == 2 and "give the still it reads, image=FILE" in err, err
+    code, err = mmpipe_here("serve", f"ckpt={run}", cwd=tmp_path, capsys=capsys)
+    assert code == 2 and "serving takes text-to-video runs" in err, err
 
     graph = load_trained_graph(run)
     instruct = graph.instruct.module
