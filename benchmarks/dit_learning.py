@@ -49,7 +49,10 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=ModelConfig().dit_layers)
     p.add_argument("--heads", type=int, default=ModelConfig().dit_heads)
     p.add_argument(
-        "--patch", type=int, default=2, help="the DiT's spatial patch size (the preset's 2; 1: 4x the tokens)"
+        "--patch",
+        type=int,
+        default=None,
+        help="the DiT's spatial patch size (default: the preset's, 2; 1: 4x the tokens)",
     )
     p.add_argument("--samples", type=int, default=1024, help="data set size (the preset's data.num_samples)")
     p.add_argument("--eval-every", type=int, default=1000)
@@ -74,7 +77,7 @@ def main() -> None:
     pipe = build_tiny_wan_pipeline(spec, [*caption_vocabulary(), "blurry static"], seed=0)
     if a.vae:
         pipe.vae = AutoencoderKLWan.from_pretrained(a.vae).eval()
-    if a.patch != 2:  # the same DiT but for its patch embedding / head, from the same seed
+    if a.patch is not None:  # the preset's DiT config at another patch size, fresh random weights
         torch.manual_seed(0)
         config = {**pipe.transformer.config, "patch_size": (1, a.patch, a.patch)}
         pipe.transformer = WanTransformer3DModel.from_config(config)
@@ -207,7 +210,7 @@ def main() -> None:
     print(
         json.dumps(
             {
-                "dit": {"layers": a.layers, "heads": a.heads, "patch": a.patch},
+                "dit": {"layers": a.layers, "heads": a.heads, "patch": dit.config.patch_size[-1]},
                 "train": {"lr": a.lr, "schedule": a.schedule, "batch": a.batch, "shift": a.shift, "ema": a.ema},
                 "evals": evals,
             }

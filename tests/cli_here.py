@@ -20,6 +20,6 @@ def mmpipe_here(*args: str, cwd: Path, capsys: pytest.CaptureFixture[str]) -> tu
         capsys.readouterr()
         try:
             code = main(list(args))
-        except SystemExit as exit:  # argparse's way out (mmpipe eval), the status the shell then sees
-            code = exit.code if isinstance(exit.code, int) else 1
+        except SystemExit as stop:  # argparse's way out (mmpipe eval), the status the shell then sees
+            code = stop.code if isinstance(stop.code, int) else 1
     return code, capsys.readouterr().err
