@@ -150,7 +150,10 @@ class TrainConfig:
 
     steps: int = 4400
     batch_size: int = 8  # global batch: samples per optimizer step
-    micro_batches: int = 2
+    # micro-batches a step: 0 (auto) lets placement=auto's planner choose them with the placement
+    # (one when every stage is data-parallel: a smaller micro-batch only adds per-call cost); with a
+    # given placement, auto is 2, so a pipelined placement overlaps its stages
+    micro_batches: int = 0
     lr: float = 3e-3
     # trainable stage -> factor on lr, e.g. {llm: 0.1}: a randomly initialised LLM trained at the DiT's
     # rate collapses the instructions' states before the DiT learns to read them (RESULTS, issue 31)
@@ -183,8 +186,10 @@ class TrainConfig:
     max_skipped: int = 3
 
     def __post_init__(self) -> None:
-        _positive("train", self, "steps", "batch_size", "micro_batches", "lr", "log_every", "val_every", "ckpt_every")
-        if self.batch_size % self.micro_batches:
+        _positive("train", self, "steps", "batch_size", "lr", "log_every", "val_every", "ckpt_every")
+        if self.micro_batches < 0:
+            raise ValueError(f"train.micro_batches={self.micro_batches}: expected >= 1, or 0 (auto)")
+        if self.micro_batches and self.batch_size % self.micro_batches:
             raise ValueError(
                 f"train.batch_size={self.batch_size} is not divisible by train.micro_batches={self.micro_batches}"
             )
@@ -334,6 +339,8 @@ class RunConfig:
             )
         if isinstance(self.placement, str) and self.placement != "auto":
             self.placement = read_placement_file(self.placement)
+        if self.train.micro_batches == 0 and self.placement != "auto":  # placement=auto: the planner's
+            self.train = dataclasses.replace(self.train, micro_batches=math.gcd(2, self.train.batch_size))
         if self.profile.enabled and self.profile.window > self.train.steps:
             raise ValueError(
                 f"profile.enabled=true: the window wait={self.profile.wait} + warmup={self.profile.warmup} + "

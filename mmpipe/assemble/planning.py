@@ -177,8 +177,9 @@ def frozen_compute_fraction(graph: Graph, cfg: RunConfig) -> dict[str, float]:
     return fractions
 
 
-def auto_placement(graph: Graph, cfg: RunConfig) -> dict[str, Any]:
-    """The planner's placement of ``graph`` on ``launch.nproc`` local CPU ranks (config form)."""
+def auto_placement(graph: Graph, cfg: RunConfig) -> tuple[dict[str, Any], int]:
+    """The planner's placement of ``graph`` on ``launch.nproc`` local CPU ranks (config form) and
+    its micro-batches a step (``train.micro_batches``, or the planner's choice when that is 0)."""
 
     data = cfg.data
     path = default_calibration_path()
@@ -194,4 +195,5 @@ def auto_placement(graph: Graph, cfg: RunConfig) -> dict[str, Any]:
     )
     logger.info("placement=auto (%s):\n%s", "calibrated" if path.is_file() else "uncalibrated", report.format())
     # with the memory policy the layout needs to fit (recomputed / file-tier offloaded blocks)
-    return placement_config(report.best.candidate.placement())
+    best = report.best.candidate
+    return placement_config(best.placement()), best.micro_batches

@@ -27,7 +27,7 @@ from mmpipe.runtime.checkpoint import load_checkpoint, save_checkpoint
 from mmpipe.runtime.events import EventRecorder
 from mmpipe.runtime.executor import Executor, OptionsFn
 from mmpipe.runtime.mesh import MeshOwner
-from mmpipe.runtime.optim import StageOptim
+from mmpipe.runtime.optim import StageOptim, adamw
 from mmpipe.train.data import (
     Collator,
     dropped_captions,
@@ -102,7 +102,7 @@ class TrainLoop:
     def _optim(self, stage: str) -> StageOptim:
         tc = self.cfg.train
         params = [p for p in self.executor.modules[stage].parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=tc.lr * (tc.lr_scale or {}).get(stage, 1.0), weight_decay=tc.weight_decay)
+        opt = adamw(params, lr=tc.lr * (tc.lr_scale or {}).get(stage, 1.0), weight_decay=tc.weight_decay)
         sched = torch.optim.lr_scheduler.LambdaLR(
             opt, lambda s: lr_factor(s, warmup=tc.warmup_steps, steps=tc.steps, schedule=tc.lr_schedule)
         )
@@ -175,16 +175,19 @@ class TrainLoop:
         skipped = float(len(out["skipped"]))
         cache = self.executor.frozen_cache
         hits = float(cache.hits) if cache is not None else 0.0
-        vec = self.reduce(torch.tensor([spilled, skipped, hits, *norms, *lrs], dtype=torch.float64), group)
-        loss = self.reduce(out["loss"].reshape(1).cpu(), group)  # float32, summed exactly as a single rank would
-        record: dict[str, Any] = {"step": step + 1, "loss": loss.item()}
+        # one all-reduce a step: the loss rides in float64 (each rank's float32 share summed exactly,
+        # then rounded to float32 as one rank's float32 sum of two shares is)
+        loss = out["loss"].detach().cpu().double().reshape(1)
+        values = torch.tensor([spilled, skipped, hits, *norms, *lrs], dtype=torch.float64)
+        vec = self.reduce(torch.cat([values, loss]), group)
+        record: dict[str, Any] = {"step": step + 1, "loss": vec[-1].float().item()}
         if vec[0] > 0:  # activations offloaded so far (all ranks), by the file tier
             record["offloaded_bytes"] = int(vec[0])
         self._count_skipped(step, int(vec[1]), record)
         if vec[2] > 0:  # rows the frozen-output cache served so far (the metrics ranks'; events have every rank's)
             record["frozen_cache_hits"] = int(vec[2])
         k = len(self.trainable)
-        for s, norm, lr in zip(self.trainable, vec[3 : 3 + k].tolist(), vec[3 + k :].tolist(), strict=True):
+        for s, norm, lr in zip(self.trainable, vec[3 : 3 + k].tolist(), vec[3 + k : 3 + 2 * k].tolist(), strict=True):
             suffix = "" if k == 1 else f"/{s}"
             record[f"grad_norm{suffix}"], record[f"lr{suffix}"] = norm, lr
         return record

@@ -65,10 +65,13 @@ def check_lr_scale(graph: Graph, cfg: RunConfig) -> None:
 
 
 def resolve_auto(graph: Graph, cfg: RunConfig) -> RunConfig:
-    """``cfg`` with ``placement=auto`` replaced by the planner's placement, planned with this
-    machine's calibration (made first when there is none for the model: :func:`calibrate_first`)."""
+    """``cfg`` with ``placement=auto`` replaced by the planner's placement (and ``train.micro_batches=0``
+    by its micro-batch count), planned with this machine's calibration (made first when there is
+    none for the model: :func:`calibrate_first`)."""
     calibrate_first(graph, cfg)
-    return dataclasses.replace(cfg, placement=auto_placement(graph, cfg))
+    placement, micro_batches = auto_placement(graph, cfg)
+    train = dataclasses.replace(cfg.train, micro_batches=micro_batches)
+    return dataclasses.replace(cfg, placement=placement, train=train)
 
 
 def calibrate_first(graph: Graph, cfg: RunConfig) -> Path:

@@ -7,6 +7,7 @@ writes a calibration and counts its calls; ``tests/e2e/test_auto_calibrates_for_
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -120,6 +121,22 @@ def test_a_placement_given_in_full_never_calibrates(
     cfg.placement = {"text": [0], "vae": [0], "dit": [1]}
     prepare.prepare_run(cfg)
     assert spy.calls == 0 and not cache.exists()
+
+
+@pytest.mark.parametrize(("given", "expected"), [(0, 1), (2, 2)])
+def test_auto_micro_batches_are_the_planners(tmp_path: Path, cache: Path, given: int, expected: int) -> None:
+    """``train.micro_batches=0`` with ``placement=auto``: the planner's count, which on a calibration
+    where every call has a large fixed cost is one micro-batch a step; a given count is kept."""
+    cal = calibration(T2V_STAGES)
+    for entry in cal.stages.values():
+        entry["forward_overhead_s"] = entry["backward_overhead_s"] = 0.5
+    cal.save(cache)
+    cfg = auto_config(tmp_path / "run")
+    cfg.train = dataclasses.replace(cfg.train, micro_batches=given)
+    run_dir, _, resolved = prepare.prepare_run(cfg)
+    assert resolved.train.micro_batches == expected
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["train"]["micro_batches"] == expected
+    assert f"micro_batches {expected}" in (run_dir / "plan.txt").read_text().splitlines()
 
 
 def test_merging_keeps_what_was_measured_and_adds_the_new_stages() -> None:

@@ -59,6 +59,7 @@ def test_overrides_and_presets() -> None:
             {"train": {"batch_size": 6, "micro_batches": 4}},
             "train.batch_size=6 is not divisible by train.micro_batches=4",
         ),
+        ({"train": {"micro_batches": -1}}, "train.micro_batches=-1: expected >= 1, or 0 (auto)"),
         ({"data": {"height": 40}}, "data.height and data.width must be multiples of 16, got 40x64"),
         ({"data": {"frames": 8}}, "data.frames must be 4k+1"),
         ({"data": {"root": "/definitely/not/here"}}, "data.root='/definitely/not/here' is not a directory"),
@@ -95,6 +96,23 @@ def test_profile_sizes_are_checked(sizes: object, message: str) -> None:
     with pytest.raises(ValueError) as err:
         from_dict(ProfileConfig, {"micro_sizes": sizes})
     assert message in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("train", "placement", "expected"),
+    [
+        ({}, "auto", 0),  # the planner chooses them with the placement (mmpipe.train.prepare.resolve_auto)
+        ({}, None, 2),  # a given placement: 2, so a pipelined one overlaps its stages
+        ({}, {"text": [0], "vae": [0], "dit": [1]}, 2),
+        ({"batch_size": 3}, None, 1),  # 2 does not divide the batch
+        ({"micro_batches": 4}, None, 4),
+        ({"micro_batches": 4}, "auto", 4),  # kept: the planner plans with them
+    ],
+)
+def test_micro_batches_auto(train: dict, placement: object, expected: int) -> None:
+    cfg = from_dict(RunConfig, {"train": train, "placement": placement, "data": {"val_samples": 8}})
+    assert cfg.train.micro_batches == expected
+    assert from_dict(RunConfig, compose_config("train", [])).train.micro_batches == 2  # placement: null
 
 
 def test_float_accepts_int_and_optional_accepts_none() -> None:
