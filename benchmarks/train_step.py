@@ -17,10 +17,12 @@ contender), fused AdamW and gradient clipping as the contender, one micro-batch:
 Each baseline's step time is the median over ``--window`` steps after ``--warmup``.
 
 ``--repeats`` rounds, each running the contender and both baselines in turn; per round contender /
-the faster baseline; reported: the median of those per-round ratios and their range. The last
-stdout line is JSON: ``{"contender", "contender_placement", "contender_micro_batches",
-"samples_per_s": {name: [per round]}, "vs_best_baseline", "ratio_range", "vs": {name: median},
-"best_baseline", "batch", "steps", "window", "repeats", "wall_s"}``.
+the faster baseline; reported: the median of those per-round ratios and their range. Context, not a
+contender: ``mmpipe train launch.nproc=1`` (one rank, both cores' threads: the layout of the
+one-process baseline), timed as the contender is, against that baseline. The last stdout line is
+JSON: ``{"contender", "contender_placement", "contender_micro_batches", "samples_per_s": {name:
+[per round]}, "vs_best_baseline", "ratio_range", "vs": {name: median}, "best_baseline",
+"mmpipe_1rank_vs_single_1proc_2threads", "batch", "steps", "window", "repeats", "wall_s"}``.
 """
 
 from __future__ import annotations
@@ -59,9 +61,11 @@ def median_step_s(run_dir: Path, window: int) -> float:
     return statistics.median(first[b] - first[a] for a, b in zip(steps, steps[1:], strict=False))
 
 
-def contender(tmp: Path, steps: int, window: int, env: dict[str, str], tag: str) -> tuple[float, dict[str, Any]]:
+def contender(
+    tmp: Path, steps: int, window: int, env: dict[str, str], tag: str, ranks: str = "launch.nproc=0"
+) -> tuple[float, dict[str, Any]]:
     run_dir = tmp / f"mmpipe-{tag}"
-    cmd = [*MMPIPE, "train", f"run_dir={run_dir}", "launch.nproc=0", "placement=auto"]
+    cmd = [*MMPIPE, "train", f"run_dir={run_dir}", ranks, "placement=auto"]
     cmd += [f"train.steps={steps}", "train.progress=false"]
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
@@ -154,11 +158,18 @@ def main() -> None:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        runs: dict[str, list[float]] = {"mmpipe": [], "ddp_2proc_1thread": [], "single_1proc_2threads": []}
+        runs: dict[str, list[float]] = {
+            "mmpipe": [],
+            "mmpipe_1rank_2threads": [],
+            "ddp_2proc_1thread": [],
+            "single_1proc_2threads": [],
+        }
         cfg: dict[str, Any] = {}
         for r in range(a.repeats):
             step_s, cfg = contender(tmp, a.steps, a.window, env, str(r))
             runs["mmpipe"].append(batch / step_s)
+            one_rank_s, _ = contender(tmp, a.steps, a.window, env, f"{r}-1rank", "launch.nproc=1")
+            runs["mmpipe_1rank_2threads"].append(batch / one_rank_s)
             runs["ddp_2proc_1thread"].append(batch / baseline(2, 1, batch, a.warmup, a.window))
             runs["single_1proc_2threads"].append(batch / baseline(1, 2, batch, a.warmup, a.window))
             print(f"round {r}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in runs.items()) + " samples/s", flush=True)
@@ -166,6 +177,10 @@ def main() -> None:
     best = max(names, key=lambda n: statistics.median(runs[n]))
     per_round = [c / max(runs[n][i] for n in names) for i, c in enumerate(runs["mmpipe"])]
     vs = {n: statistics.median(c / b for c, b in zip(runs["mmpipe"], runs[n], strict=True)) for n in names}
+    # context: the engine's own cost at the best baseline's layout (one rank, both cores' threads)
+    one_rank_vs_single = statistics.median(
+        c / b for c, b in zip(runs["mmpipe_1rank_2threads"], runs["single_1proc_2threads"], strict=True)
+    )
     print(
         json.dumps(
             {
@@ -177,6 +192,7 @@ def main() -> None:
                 "ratio_range": [min(per_round), max(per_round)],
                 "vs": vs,
                 "best_baseline": best,
+                "mmpipe_1rank_vs_single_1proc_2threads": one_rank_vs_single,
                 "batch": batch,
                 "steps": a.steps,
                 "window": a.window,
