@@ -49,7 +49,7 @@ run: $(STAMP)
 ifndef U2G_DIR
 U2G_DIR := runs/u2g-$(shell date +%Y%m%d-%H%M%S)
 endif
-# 13 min 53 s on the 2-core CPU with calibration, eval and report; shape 91.7 % (RESULTS, issue 31)
+# 14-15 min on the 2-core CPU with calibration, eval and report; shape 91.7 % (RESULTS, issue 31)
 U2G_STEPS ?= 10000
 
 # the LLM at a tenth of the DiT's rate: at the full rate it merges "left" and "right" (RESULTS, issue 31)
