@@ -45,7 +45,6 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
 MMPIPE = [sys.executable, "-m", "mmpipe.cli"]
 
 

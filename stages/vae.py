@@ -59,9 +59,6 @@ class _WanVAEStage(SourcedStage):
         return mean_1Z111, inv_std_1Z111
 
 
-_FAST_NORMS = "_mmpipe_fast_cpu_norms"
-
-
 def _rms_norm_forward(norm: Any, original: Any, x: torch.Tensor) -> torch.Tensor:  # norm: a WanRMS_norm
     if x.device.type != "cpu" or x.dtype != torch.float32:
         return original(x)
@@ -80,14 +77,14 @@ def fast_cpu_norms(vae: nn.Module) -> None:
     of a frozen encode: a tiny-preset clip encodes 2.3x faster with this. Equal within float32
     rounding (about 1e-6 on the latents), not bitwise, so only training's frozen encode uses it;
     generate and serve decode with diffusers' own forward, whose frames they match bit for bit."""
-    if getattr(vae, _FAST_NORMS, False):
-        return
-    norms: list[nn.Module] = [m for m in vae.modules() if isinstance(m, WanRMS_norm)]
-    for m in norms:
+    for m in vae.modules():
+        wrapped = m.__dict__.get("forward")
+        if not isinstance(m, WanRMS_norm) or getattr(wrapped, "func", None) is _rms_norm_forward:
+            continue
+        norm: nn.Module = m
         # an instance attribute, as mmpipe.serve.batching wraps forward: a partial, so that a
         # deep copy of the module rebinds it to the copy
-        m.forward = functools.partial(_rms_norm_forward, m, m.forward)
-    setattr(vae, _FAST_NORMS, True)
+        norm.forward = functools.partial(_rms_norm_forward, m, m.forward)
 
 
 class WanVAEEncodeStage(_WanVAEStage):
@@ -95,6 +92,11 @@ class WanVAEEncodeStage(_WanVAEStage):
     The VAE's RMS norms run :func:`fast_cpu_norms`' form on CPU (training's frozen encode)."""
 
     kind = "vae_encode"
+
+    def build(self) -> nn.Module:
+        vae = super().build()
+        fast_cpu_norms(vae)
+        return vae
 
     @property
     def inputs(self) -> Mapping[str, TensorSpec]:
@@ -106,7 +108,6 @@ class WanVAEEncodeStage(_WanVAEStage):
 
     def forward(self, module: nn.Module, inputs: Mapping[str, Any], **options: Any) -> dict[str, Any]:
         vae: Any = module  # diffusers' AutoencoderKLWan (encode/decode are not nn.Module API)
-        fast_cpu_norms(vae)
         video_B3THW = inputs["video"].to(vae.dtype)
         z_BZthw = vae.encode(video_B3THW).latent_dist.mode().float()
         mean, inv_std = self._mean_std(z_BZthw)
@@ -141,7 +142,6 @@ class WanI2VVAEEncodeStage(WanVAEEncodeStage):
 
     def forward(self, module: nn.Module, inputs: Mapping[str, Any], **options: Any) -> dict[str, Any]:
         vae: Any = module
-        fast_cpu_norms(vae)
         video_B3THW = inputs["video"]
         kept = [video_B3THW[:, :, :1], video_B3THW[:, :, -1:]] if self.last_frame else [video_B3THW[:, :, :1]]
         zeros = video_B3THW.shape[2] - len(kept)

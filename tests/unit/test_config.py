@@ -112,6 +112,9 @@ def test_profile_sizes_are_checked(sizes: object, message: str) -> None:
 def test_micro_batches_auto(train: dict, placement: object, expected: int) -> None:
     cfg = from_dict(RunConfig, {"train": train, "placement": placement, "data": {"val_samples": 8}})
     assert cfg.train.micro_batches == expected
+
+
+def test_micro_batches_auto_in_the_composed_config() -> None:
     assert from_dict(RunConfig, compose_config("train", [])).train.micro_batches == 2  # placement: null
 
 

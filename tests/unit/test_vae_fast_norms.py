@@ -61,7 +61,7 @@ def test_the_encode_stage_uses_it() -> None:
     stage = WanVAEEncodeStage.from_module("vae", vae)
     assert not any(isinstance(m.forward, functools.partial) for m in vae.modules() if isinstance(m, WanRMS_norm))
     with torch.no_grad():
-        latents = stage.forward(vae, {"video": video})["latents"]
+        latents = stage({"video": video})["latents"]  # builds the stage's module: the same VAE
     assert all(isinstance(m.forward, functools.partial) for m in vae.modules() if isinstance(m, WanRMS_norm))
     mean, inv_std = stage._mean_std(want)
     torch.testing.assert_close(latents, (want - mean) * inv_std, rtol=0, atol=1e-4)
